@@ -1,0 +1,57 @@
+"""Domain errors that map one-to-one onto gRPC status codes.
+
+Core modules raise these (or a plain ``ValueError`` for bad input); the server interceptor in
+``services.common.server`` turns them into ``context.abort(code, message)``, so servicers never
+translate errors by hand and a bad request never kills a service.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class GyreError(Exception):
+    """Base of Gyre's domain errors; ``code`` is the gRPC status the caller receives."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(GyreError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(GyreError, LookupError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(GyreError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(GyreError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(GyreError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(GyreError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Aborted(GyreError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DeadlineExceeded(GyreError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode | None:
+    """The status code a domain exception maps to, or None for an unexpected (internal) error."""
+    if isinstance(exc, GyreError):
+        return exc.code
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return None

@@ -1,0 +1,57 @@
+"""structlog setup for every Gyre process.
+
+``setup_logging`` is called once, in a process's ``main()``; modules only call ``get_logger`` and
+bind ids (``job_id``, ``execution_id``, ``cell_id``) to the logger they got.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+
+def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") -> None:
+    """Configure structlog (and the stdlib root logger it renders through) for this process.
+
+    ``json=True`` renders one JSON object per line (for log shippers); otherwise a console renderer.
+    ``service`` is bound to every line so merged logs stay attributable.
+    """
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}; use DEBUG, INFO, WARNING or ERROR")
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
+    if service:
+        processors.insert(0, _bind_service(service))
+    structlog.configure(
+        processors=[*processors, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s", force=True)
+
+
+def _bind_service(service: str) -> Any:
+    def processor(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("service", service)
+        return event
+
+    return processor
+
+
+def get_logger(name: str, **ids: Any) -> Any:
+    """A structlog logger named ``name`` with ``ids`` (job_id, execution_id, cell_id...) bound."""
+    # initial values on the lazy proxy (not .bind()) so configuration made later in main() applies
+    return structlog.get_logger(name, logger_name=name, **ids)
