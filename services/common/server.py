@@ -232,3 +232,12 @@ def wait_for_ready(address: str, *, timeout_s: float = 30.0, service: str = "") 
                 last = exc
             time.sleep(0.1)
     raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f}s (last error: {last})")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host`` (for processes that must be told a port up front)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
