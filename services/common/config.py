@@ -45,6 +45,11 @@ class ServerConfig:
     grace_s: float = setting(10.0, "Graceful-shutdown grace period for in-flight RPCs, seconds.")
     max_message_mb: int = setting(256, "Largest gRPC message accepted or sent, MiB.")
     max_workers: int = setting(64, "Threads serving RPCs (one per concurrent stream).")
+    tls_cert_file: str = setting("", "PEM certificate this server presents (TLS on when set).")
+    tls_key_file: str = setting("", "PEM private key of tls_cert_file.")
+    tls_client_ca_file: str = setting("", "CA whose client certificates are required (mTLS) when set.")
+    tls_ca_file: str = setting("", "CA this process trusts when it calls other services over TLS.")
+    auth_token: str = setting("", "Bearer token callers must present (and this process sends); empty = off.")
 
     def __post_init__(self) -> None:
         check(0 <= self.port < 65536, "port", self.port, "an integer in [0, 65535]")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.common import security
 from services.common.config import ServerConfig, fields_doc, load_config
 from services.common.logging import get_logger, setup_logging
 from services.common.metrics import start_metrics_server
@@ -45,6 +46,9 @@ def run_service(name: str, config_cls: type[C], build: Callable[[C], Built],
     setup_logging(json=cfg.log_json, level=cfg.log_level, service=name)
     log = get_logger(f"services.{name}")
     try:
+        security.configure(security.Security(
+            tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
+            tls_client_ca_file=cfg.tls_client_ca_file, tls_ca_file=cfg.tls_ca_file, auth_token=cfg.auth_token))
         server, on_shutdown = build(cfg)
     except ValueError as exc:
         print(f"gyre-{name}: {exc}", file=sys.stderr)

@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import security
 from services.common.errors import status_for
 from services.common.logging import get_logger
 from services.common.metrics import RPC_LATENCY, RPC_REQUESTS
@@ -90,6 +91,9 @@ def build_server(
 ) -> GyreServer:
     """Build (not start) a server for ``registrations``; ``port=0`` binds a free port."""
     limit = max_message_mb * 1024 * 1024
+    sec = security.current()
+    credentials = credentials or sec.server_credentials()
+    interceptors = [*sec.interceptors(), *interceptors]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{name}-rpc"),
         interceptors=[*interceptors, ErrorMappingInterceptor(name)],
