@@ -1,0 +1,27 @@
+"""The run report renders every figure and a metrics.jsonl that round-trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.report import write_report
+
+
+def test_report_files(tmp_path: Path) -> None:
+    steps = [{"step": i, "time_s": 10.0 * i, "train_pass_rate": 0.2 + 0.1 * i, "naive_tokens": 900, "tree_tokens": 300}
+             for i in range(3)]
+    evals = [{"step": 0, "time_s": 0.0, "heldout_pass_rate": 0.25}, {"step": 2, "time_s": 20.0, "heldout_pass_rate": 0.5}]
+    roles = [{"cell_id": "cell-0", "role": "train", "start_s": 0, "end_s": 30},
+             {"cell_id": "cell-1", "role": "rollout", "start_s": 0, "end_s": 12},
+             {"cell_id": "cell-1", "role": "switching", "start_s": 12, "end_s": 13},
+             {"cell_id": "cell-1", "role": "train", "start_s": 13, "end_s": 30}]
+    switches = [{"cell_id": "cell-1", "from": "rollout", "to": "train", "duration_s": 1.0, "at_s": 12, "migrated": 2}]
+    page = write_report(tmp_path / "r", steps=steps, evals=evals, roles=roles, switches=switches,
+                        meta={"mode": "elastic", "seed": 0})
+    text = page.read_text()
+    for png in ("learning_curve.png", "cell_timeline.png", "tokens.png", "switch_durations.png"):
+        assert (tmp_path / "r" / png).stat().st_size > 1000 and png in text
+    assert "0.250 -&gt; 0.500" in text and "3.00x" in text and "elastic" in text
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("step") == 3 and kinds.count("switch") == 1 and kinds.count("role") == 4
