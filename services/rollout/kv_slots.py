@@ -1,0 +1,143 @@
+"""Per-request KV caches packed into one slot buffer per layer, for batched decode steps.
+
+Layout: layer l holds ``keys[l], values[l]`` of shape ``[slots, kv_heads, tokens, head_dim]``.
+Running request r owns slot ``r`` (rows ``0..n-1`` are occupied, always contiguous) and its
+cache fills ``[:, :lens[r]]``. A decode step writes one new key/value per row at ``lens[r]`` (a
+scatter, no copy of the cache) and attends over ``[:n, :, :max(lens)+1]`` with a per-row length
+mask, so requests of different lengths share one forward without padding copies.
+
+Capacity grows by doubling (slots and tokens), like a vector; when a request leaves, the last
+row moves into its slot (one copy of that request's cache) to keep rows contiguous. The price of
+a rectangular buffer: memory is ``slots x longest request``; a paged layout would remove that,
+at the cost of a custom attention kernel.
+
+The object also acts as the ``cache`` a transformers decoder layer calls ``update()`` on during
+the decode step (duck-typed: only ``update`` is used when a 4-D mask and position ids are given).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class SlotKV:
+    """Slot buffer for ``num_layers`` layers; not thread-safe (owned by the engine loop)."""
+
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, slots: int = 4, tokens: int = 256) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.n = 0
+        self.lens = np.zeros(slots, dtype=np.int64)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._alloc(slots, tokens)
+        # set by begin_step() for the decode forward
+        self._rows: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self._view_len = 0
+
+    @property
+    def slot_capacity(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def token_capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def _alloc(self, slots: int, tokens: int) -> None:
+        shape = (slots, self.kv_heads, tokens, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.keys and self.n:
+            t = int(self.lens[: self.n].max())
+            for old, new in zip(self.keys + self.values, new_k + new_v):
+                new[: self.n, :, :t].copy_(old[: self.n, :, :t])
+        self.keys, self.values = new_k, new_v
+        lens = np.zeros(slots, dtype=np.int64)
+        lens[: self.n] = self.lens[: self.n]
+        self.lens = lens
+
+    def reserve(self, *, slots: int, tokens: int) -> None:
+        """Make room for ``slots`` rows of ``tokens`` tokens (grows by doubling; never shrinks)."""
+        s, t = self.slot_capacity, self.token_capacity
+        if slots <= s and tokens <= t:
+            return
+        while s < slots:
+            s *= 2
+        while t < tokens:
+            t *= 2
+        self._alloc(s, t)
+
+    def shrink_to_fit(self, min_tokens: int = 256) -> None:
+        """Release memory after long requests left (only when at most a quarter is used)."""
+        used = int(self.lens[: self.n].max()) + 1 if self.n else 0
+        t = self.token_capacity
+        if t > min_tokens and used * 4 <= t:
+            while t > min_tokens and used * 2 <= t // 2:
+                t //= 2
+            self._alloc(self.slot_capacity, max(t, min_tokens))
+
+    def add(self, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, extra_tokens: int = 1) -> int:
+        """Append a request whose cache is ``kv`` (per layer ``[kv_heads, length, head_dim]``, or a
+        leading batch dim of 1); returns its slot. ``extra_tokens`` reserves room to decode."""
+        self.reserve(slots=self.n + 1, tokens=length + extra_tokens)
+        slot = self.n
+        for layer, (k, v) in enumerate(kv):
+            if k.dim() == 4:
+                k, v = k[0], v[0]
+            self.keys[layer][slot, :, :length].copy_(k[:, :length])
+            self.values[layer][slot, :, :length].copy_(v[:, :length])
+        self.lens[slot] = length
+        self.n += 1
+        return slot
+
+    def remove(self, slot: int) -> int | None:
+        """Free ``slot``; the last row moves into it. Returns the slot that moved (now ``slot``)."""
+        last = self.n - 1
+        moved = None
+        if slot != last:
+            t = int(self.lens[last])
+            for buf in self.keys + self.values:
+                buf[slot, :, :t].copy_(buf[last, :, :t])
+            self.lens[slot] = self.lens[last]
+            moved = last
+        self.lens[last] = 0
+        self.n -= 1
+        return moved
+
+    def export(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of one request's cache, per layer ``[kv_heads, len, head_dim]``."""
+        t = int(self.lens[slot])
+        return [(k[slot, :, :t].clone(), v[slot, :, :t].clone()) for k, v in zip(self.keys, self.values)]
+
+    def begin_step(self) -> torch.Tensor:
+        """Prepare a decode step over rows ``0..n-1``; returns the bool attention mask
+        ``[n, 1, 1, max_len + 1]`` (row r sees its ``lens[r]`` cached tokens and the new one)."""
+        lens = self.lens[: self.n]
+        self.reserve(slots=self.n, tokens=int(lens.max()) + 1)
+        self._view_len = int(lens.max()) + 1
+        self._pos = torch.from_numpy(lens.copy()).to(self.device)
+        self._rows = torch.arange(self.n, device=self.device)
+        cols = torch.arange(self._view_len, device=self.device)
+        return (cols[None, :] <= self._pos[:, None])[:, None, None, :]
+
+    def positions(self) -> torch.Tensor:
+        """Position id of each row's new token, ``[n, 1]`` (= its cached length)."""
+        assert self._pos is not None, "begin_step() first"
+        return self._pos[:, None]
+
+    def end_step(self) -> None:
+        self.lens[: self.n] += 1
+        self._rows = self._pos = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers cache hook: store the step's [n, kv_heads, 1, head_dim] keys/values at each
+        row's own position and return the views the attention reads."""
+        assert self._rows is not None and self._pos is not None, "update() outside a decode step"
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        k_buf[self._rows, :, self._pos] = key_states[:, :, 0]
+        v_buf[self._rows, :, self._pos] = value_states[:, :, 0]
+        return k_buf[: self.n, :, : self._view_len], v_buf[: self.n, :, : self._view_len]
