@@ -232,14 +232,14 @@ def assemble(chunks: Sequence[Chunk], *, step: int, advantages: Mapping[str, flo
             ctx_parent[0] = -1
         p = t.parent[a:b].astype(np.int64)
         body_parent = np.where(p >= a, p - a + m + offset, np.where(p >= 0, t.depth[a:b].astype(np.int64) - 1 + offset, -1))
-        ctx_end = np.full(m, offset + size, dtype=np.int64)
-        body_end = np.minimum(t.subtree_end[a:b].astype(np.int64), b) - a + m + offset
+        # an ancestor's subtree in the chunk = the part of its original DFS range inside [a, b)
+        ends = np.minimum(t.subtree_end[sel].astype(np.int64), b) - a + m + offset
         trainable = np.concatenate((np.zeros(m, dtype=bool), t.trainable[a:b]))
         adv = np.float32(advantages[c.execution_id])
         w = np.float32(token_weights[c.execution_id])
         parts["input_ids"].append(t.tokens[sel].astype(np.int64))
         parts["position_ids"].append(t.depth[sel].astype(np.int64))
-        parts["subtree_end"].append(np.concatenate((ctx_end, body_end)))
+        parts["subtree_end"].append(ends)
         parts["parent"].append(np.concatenate((ctx_parent, body_parent)))
         parts["trainable"].append(trainable)
         parts["old_logprobs"].append(np.where(trainable, t.logprob[sel], np.float32(0)))

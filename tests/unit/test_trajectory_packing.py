@@ -1,0 +1,150 @@
+"""Packing: subtree splitting under a budget, micro-batch invariants, loss weights, advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.trajectory.advantages import group_advantages, outcome_advantages
+from services.trajectory.packing import PackedBatch, assemble, pack_chunks, split_tree
+from services.trajectory.records import Outcome, Role, Status, TitoCall
+from services.trajectory.tree import ExecutionTree, TreeArrays
+from tests.unit.trajectory_reference import NaiveTree, random_execution
+
+
+def tree_of(calls: list[TitoCall]) -> ExecutionTree:
+    tree = ExecutionTree(calls[0].execution_id)
+    for c in calls:
+        tree.add(c)
+    return tree
+
+
+def batch_paths(batch: PackedBatch) -> list[tuple[int, ...]]:
+    return NaiveTree.layout_paths(batch.parent, batch.input_ids)
+
+
+def pack_executions(trees: dict[str, TreeArrays], budget: int, *, step: int = 0,
+                    num_executions: int | None = None) -> tuple[list[PackedBatch], int]:
+    chunks = [c for eid, t in trees.items() for c in split_tree(eid, t, budget)]
+    d = num_executions or len(trees)
+    weights = {eid: 1.0 / (t.num_trainable * d) for eid, t in trees.items()}
+    adv = {eid: float(i) - 1.0 for i, eid in enumerate(trees)}
+    batches = [assemble(b, step=step, advantages=adv, token_weights=weights) for b in pack_chunks(chunks, budget)]
+    overhead = sum(len(c.context) for c in chunks)
+    return batches, overhead
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(2, 6), st.integers(3, 40))
+def test_split_and_pack_keep_every_target_once_with_its_context(seed: int, n_calls: int, vocab: int,
+                                                                budget: int) -> None:
+    rng = np.random.default_rng(seed)
+    trees = {}
+    naive = {}
+    for e in range(3):
+        calls = random_execution(rng, n_calls, vocab, execution_id=f"e{e}")
+        trees[f"e{e}"] = tree_of(calls).arrays()
+        naive[f"e{e}"] = NaiveTree(calls)
+    trees = {k: v for k, v in trees.items() if v.num_trainable}
+    if not trees:
+        return
+    batches, _ = pack_executions(trees, budget)
+    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    total_w = 0.0
+    for b in batches:
+        b.validate()
+        max_depth = max(int(t.depth.max()) for t in trees.values())
+        assert len(b) <= budget or max_depth + 1 > budget // 2
+        for i, p in enumerate(batch_paths(b)):
+            eid = b.execution_ids[b.execution_index[i]]
+            node = naive[eid].nodes[p]  # every token sits on its true root path
+            if b.trainable[i]:
+                key = (eid, p)
+                seen[key] = seen.get(key, 0) + 1
+                assert node.gen is not None
+                assert b.old_logprobs[i] == pytest.approx(node.logprob)
+                assert b.weight_version[i] == node.version
+        total_w += float(b.loss_weights.sum())
+    expected = {(eid, p) for eid in trees for p in naive[eid].union(None) if naive[eid].nodes[p].gen is not None}
+    assert set(seen) == expected and set(seen.values()) == {1}
+    assert total_w == pytest.approx(1.0, rel=1e-5)
+
+
+def test_small_trees_share_a_batch_and_big_ones_split_with_context() -> None:
+    sys_prompt = list(range(1, 9))
+    small = tree_of([TitoCall("s", "c", "a", Role.MAIN, np.array([50]), np.array([-1.0]), 0,
+                              prompt_ids=np.array([1]))]).arrays()
+    big_calls = [TitoCall("b", f"c{i}", "a", Role.MAIN, np.array([60 + i] * 6), -np.ones(6), 0,
+                          prompt_ids=np.array(sys_prompt + [100 + i])) for i in range(4)]
+    big = tree_of(big_calls).arrays()
+    assert len(big) == 8 + 4 * 7
+    chunks = split_tree("b", big, 17)
+    assert [c.size for c in chunks] == [15, 15, 15, 15]
+    # branches start after the shared system prompt: chunks cut at branch starts carry it as context
+    assert sum(len(c.context) for c in chunks) == 8 * (len(chunks) - 1)
+    batches, overhead = pack_executions({"s": small, "b": big}, 17)
+    assert overhead == 8 * (len(chunks) - 1)
+    assert sum(len(b) for b in batches) == len(small) + len(big) + overhead
+    assert any(len(b.execution_ids) == 2 for b in batches)  # the small tree fills a gap
+
+
+def test_a_path_deeper_than_the_budget_becomes_one_oversized_chunk() -> None:
+    calls = [TitoCall("d", "c", "a", Role.MAIN, np.arange(30, 60), -np.ones(30), 0, prompt_ids=np.arange(1, 21))]
+    tree = tree_of(calls).arrays()
+    chunks = split_tree("d", tree, 16)
+    assert [c.size for c in chunks] == [50]
+    batches, _ = pack_executions({"d": tree}, 16)
+    assert len(batches) == 1 and len(batches[0]) == 50
+    batches[0].validate()
+
+
+def test_loss_weights_give_the_mean_over_executions_of_token_means() -> None:
+    rng = np.random.default_rng(0)
+    trees = {f"e{i}": tree_of(random_execution(rng, 10, 8, execution_id=f"e{i}")).arrays() for i in range(4)}
+    trees = {k: v for k, v in trees.items() if v.num_trainable}
+    batches, _ = pack_executions(trees, 12)
+    token_loss = {eid: rng.random(len(t)) for eid, t in trees.items()}  # any per-node loss
+    want = np.mean([token_loss[e][t.trainable].mean() for e, t in trees.items()])
+    got = 0.0
+    for b in batches:
+        for i in np.flatnonzero(b.trainable):
+            eid = b.execution_ids[b.execution_index[i]]
+            # locate node i of the batch in its execution's layout by root path
+            paths = {p: j for j, p in enumerate(NaiveTree.layout_paths(trees[eid].parent, trees[eid].tokens))}
+            j = paths[batch_paths(b)[i]]
+            got += b.loss_weights[i] * token_loss[eid][j]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_packed_batch_roundtrips_through_bytes_and_validate_catches_corruption() -> None:
+    rng = np.random.default_rng(1)
+    tree = tree_of(random_execution(rng, 8, 4)).arrays()
+    (batch,), _ = pack_executions({"E": tree}, 10_000, step=7)
+    again = PackedBatch.from_bytes(batch.to_bytes())
+    again.validate()
+    assert again.step == 7 and again.execution_ids == ("E",)
+    assert all(np.array_equal(getattr(batch, f), getattr(again, f)) for f in ("input_ids", "subtree_end", "parent"))
+    bad = PackedBatch(**{**batch.__dict__, "subtree_end": batch.subtree_end[::-1].copy()})
+    with pytest.raises(AssertionError):
+        bad.validate()
+    mask = batch.dense_mask()
+    assert mask.sum() == int((batch.position_ids + 1).sum())  # each token sees itself and its ancestors
+
+
+def test_group_advantages_and_outcome_filtering() -> None:
+    assert group_advantages({"a": 1.0, "b": 0.0}) == {"a": 0.5, "b": -0.5}
+    norm = group_advantages({"a": 1.0, "b": 0.0}, normalize_std=True)
+    assert norm["a"] == pytest.approx(1.0, rel=1e-5) and norm["b"] == pytest.approx(-1.0, rel=1e-5)
+    assert group_advantages({"a": 3.0}) == {"a": 0.0}
+    outcomes = [
+        Outcome("a", "g", Status.FINISHED, 1.0),
+        Outcome("b", "g", Status.TIMEOUT, 0.4),  # partial reward of a timed-out execution counts
+        Outcome("c", "g", Status.TIMEOUT, 0.0, excluded=True),  # excluded: dropped
+        Outcome("d", "g", Status.FAILED, None),  # no reward: dropped
+        Outcome("x", "h", Status.FINISHED, 2.0),
+    ]
+    adv = outcome_advantages(outcomes)
+    assert set(adv) == {"a", "b", "x"}
+    assert adv["a"] == pytest.approx(0.3) and adv["b"] == pytest.approx(-0.3) and adv["x"] == 0.0
