@@ -1,0 +1,335 @@
+"""The core trainer (rank 0): authoritative weights and optimizer, the step loop, publishing.
+
+One step, top to bottom (``CoreTrainer.run_step``):
+
+    open the step (replicas may join: they pull version v and the same micro-batch queue)
+    pull micro-batches until the step's batch is consumed; accumulate gradient sums
+    wait for the step's members, seal the world (core = rank 0), all-reduce SUM (gloo / NCCL)
+    add gradients handed off by replicas that left mid-step
+    clip + AdamW step (once per step)  ->  version v+1
+    snapshot v+1 for GetWeights, push it to the rollout engines, report, checkpoint
+
+Lifecycle: CoreTrainer(...)  ->  start(job) (builds the model, resumes from the latest complete
+checkpoint, runs the steps in a background thread)  ->  stop(). The TCPStore that replicas
+rendezvous on lives as long as the CoreTrainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.logging import get_logger
+from services.trainer import checkpoint as ckpt
+from services.trainer import metrics as m
+from services.trainer.elastic import Seal, StepMembership, all_reduce_step, open_group
+from services.trainer.job import TrainerJob
+from services.trainer.learner import Learner, Updater
+from services.trainer.model import build_model
+from services.trainer.sources import BatchSource, open_source
+from services.trainer.tree_forward import TreePolicy
+from services.trainer.weights import PublishReport, WeightStore, push_to_engines, state_bytes
+
+log = get_logger(__name__)
+
+
+def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
+    """Model + tree policy + learner for ``job`` (the same on the core and on every replica)."""
+    model = build_model(job.model, dtype=job.torch_dtype, device=device, seed=job.seed,
+                        attention="flex" if job.attention == "flex" else "sdpa")
+    policy = TreePolicy(model, attention=job.attention, temperature=job.temperature,
+                        max_dense_tokens=job.max_dense_tokens)
+    ref = None
+    if job.kl_reference == "initial" and job.objective.kl_coef > 0:
+        ref_model = copy.deepcopy(model).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+        ref = TreePolicy(ref_model, attention=job.attention, temperature=job.temperature,
+                         max_dense_tokens=job.max_dense_tokens)
+    vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
+    return Learner(policy, job.objective, vocab_size=vocab, ref_policy=ref)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did (returned by WaitStep and logged)."""
+
+    step: int
+    version: int                      # weight version published by this step (= step + 1)
+    metrics: dict[str, float]
+    participants: tuple[str, ...]     # replica ids in the all-reduce besides the core
+    publish: PublishReport | None = None
+
+
+@dataclass
+class _JobState:
+    job: TrainerJob
+    learner: Learner
+    updater: Updater
+    source: BatchSource
+    step: int
+    version: int
+    reports: list[StepReport] = field(default_factory=list)
+    handoffs: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    phase: str = "starting"
+    error: str = ""
+
+
+class CoreTrainer:
+    """Rank 0 of every step; thread-safe facade used by the gRPC servicer."""
+
+    def __init__(self, *, store_host: str = "127.0.0.1", store_port: int = 0, advertise_host: str = "",
+                 member_timeout_s: float = 300.0, collective_timeout_s: float = 600.0,
+                 publish_chunk_bytes: int = 4 << 20,
+                 reporter: Callable[[str, int, str, int], None] | None = None) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=collective_timeout_s))
+        self.store_host = advertise_host or store_host
+        self.store_port = int(self.store.port)
+        self.member_timeout_s = member_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.publish_chunk_bytes = publish_chunk_bytes
+        self.reporter = reporter
+        self.weights = WeightStore()
+        self.membership: StepMembership | None = None
+        self._state: _JobState | None = None
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- job lifecycle ----------------------------------------------------------------------------
+    def start(self, job: TrainerJob, *, background: bool = True) -> None:
+        """Build the model, resume if a checkpoint exists, and run the job's steps."""
+        with self._lock:
+            if self._state is not None and self._state.phase not in ("done", "failed", "stopped"):
+                raise FailedPrecondition(f"job {self._state.job.job_id!r} is still running")
+            torch.manual_seed(job.seed)
+            device = torch.device(job.device)
+            learner = build_learner(job, device)
+            updater = Updater(learner.model, job.optim)
+            step, version = job.start_step, job.start_step
+            if job.checkpoint_dir and job.resume:
+                path = ckpt.latest_checkpoint(job.checkpoint_dir)
+                if path is not None:
+                    c = ckpt.load_checkpoint(path)
+                    learner.model.load_state_dict(c.model)
+                    updater.optimizer.load_state_dict(c.optimizer)
+                    step, version = c.step, c.version
+                    log.info("resumed", job_id=job.job_id, path=str(path), step=step, version=version)
+            self.membership = StepMembership(job_id=job.job_id, store_host=self.store_host,
+                                             store_port=self.store_port, member_timeout_s=self.member_timeout_s)
+            source = open_source(job.source, store_host=self.store_host, store_port=self.store_port,
+                                 job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address,
+                                 store=self.store)
+            self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
+                                    version=version)
+            self.weights.publish(learner.model, version)
+            self._stop.clear()
+        if background:
+            self._thread = threading.Thread(target=self._run, name=f"trainer-{job.job_id}", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        st = self._require()
+        try:
+            while st.step < st.job.num_steps and not self._stop.is_set():
+                self.run_step()
+            self._set_phase("stopped" if self._stop.is_set() else "done")
+        except Exception as exc:  # the job fails loudly; the service stays up to report it
+            log.exception("trainer job failed", job_id=st.job.job_id, step=st.step)
+            st.error = f"{type(exc).__name__}: {exc}"
+            self._set_phase("failed")
+        finally:
+            if self.membership is not None:
+                self.membership.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the running step (never half-apply an update), then stop."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        st = self._state
+        if st is not None:
+            st.source.close()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def run_step(self) -> StepReport:
+        st = self._require()
+        assert self.membership is not None
+        job, learner, step, version = st.job, st.learner, st.step, st.version
+        start = time.perf_counter()
+        self.membership.open_step(step, version)
+        learner.begin_step(step, version)
+        self._set_phase("training")
+        self._report(job.job_id, step, "started", version)
+        while (d := st.source.next(step)) is not None:
+            if not self._train_one(learner, d, job.job_id):
+                continue
+        train_s = time.perf_counter() - start
+
+        seal = self.membership.core_done(step)
+        self._set_phase("reducing")
+        stats = learner.stats
+        participants = tuple(str(x["replica_id"]) for x in self.membership.members()
+                             if x["step"] == step and x["rank"] > 0 and not x["evicted"])
+        evicted = sum(1 for x in self.membership.members() if x["step"] == step and x["evicted"])
+        m.EVICTED.inc(evicted)
+        reduce_s = self._reduce(seal, learner)
+        for grads in st.handoffs.pop(step, []):
+            learner.add_grads(grads)
+        handed = [x for x in self.membership.members() if x["step"] == step and x["left"]]
+
+        self._set_phase("updating")
+        grad_norm = st.updater.apply()
+        new_version = version + 1
+        snapshot = self.weights.publish(learner.model, new_version)
+        publish = self._push(snapshot, new_version, job)
+        step_s = time.perf_counter() - start
+        with self._lock:
+            st.step, st.version = step + 1, new_version
+        metrics = stats.as_dict()
+        metrics.update(grad_norm=grad_norm, step_time_s=step_s, train_time_s=train_s, allreduce_s=reduce_s,
+                       world_size=float(seal.world_size), handed_off=float(len(handed)),
+                       tokens_per_s=metrics.get("tokens", 0.0) / step_s if step_s > 0 else 0.0,
+                       weight_version=float(new_version), publish_s=publish.engines_s,
+                       publish_mb=publish.num_bytes / 1e6)
+        m.record_step(metrics)
+        m.REDUCE_TIME.observe(reduce_s)
+        report = StepReport(step=step, version=new_version, metrics=metrics, participants=participants,
+                            publish=publish)
+        with self._cv:
+            st.reports.append(report)
+            self._cv.notify_all()
+        self._report(job.job_id, step, "published", new_version)
+        if job.checkpoint_dir and (step + 1) % job.checkpoint_every == 0:
+            ckpt.save_checkpoint(job.checkpoint_dir, step=step + 1, version=new_version, model=learner.model,
+                                 optimizer=st.updater.optimizer, extra={"job_id": job.job_id})
+            ckpt.prune_checkpoints(job.checkpoint_dir, job.checkpoint_keep)
+        log.info("step done", job_id=job.job_id, step=step, version=new_version, world=seal.world_size,
+                 loss=round(metrics.get("loss", 0.0), 6), grad_norm=round(grad_norm, 6),
+                 tokens=metrics.get("tokens"), step_s=round(step_s, 3))
+        return report
+
+    def _train_one(self, learner: Learner, d: Any, job_id: str) -> bool:
+        try:
+            learner.train(d.batch)
+        except (InvalidArgument, FailedPrecondition) as exc:
+            # A malformed micro-batch is refused (never trained); the step continues without it.
+            m.REJECTED.labels(reason=type(exc).__name__).inc()
+            log.error("micro-batch rejected", job_id=job_id, batch_id=d.batch_id, error=str(exc))
+            d.reject(str(exc))
+            return False
+        d.ack()
+        m.MICRO_BATCHES.inc()
+        m.TOKENS.inc(len(d.batch.input_ids))
+        return True
+
+    def _reduce(self, seal: Seal, learner: Learner) -> float:
+        if seal.world_size <= 1:
+            return 0.0
+        start = time.perf_counter()
+        group = open_group(seal, store_host=self.store_host, store_port=self.store_port,
+                           backend=backend_for(learner.policy.device), timeout_s=self.collective_timeout_s,
+                           store=self.store)
+        stats, ext = all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(),
+                                     learner.stats.extrema())
+        learner.stats.load_vector(stats)
+        learner.stats.load_extrema(ext)
+        return time.perf_counter() - start
+
+    def _push(self, snapshot: dict[str, torch.Tensor], version: int, job: TrainerJob) -> PublishReport:
+        nbytes = state_bytes(snapshot)
+        secs, ok, failed = push_to_engines(snapshot, version, job.engine_addresses,
+                                           chunk_bytes=self.publish_chunk_bytes)
+        if job.engine_addresses:
+            m.PUBLISH_TIME.observe(secs)
+        return PublishReport(version=version, num_bytes=nbytes, snapshot_s=0.0, engines_s=secs, engines_ok=ok,
+                             engines_failed=tuple(failed))
+
+    def _report(self, job_id: str, step: int, phase: str, version: int) -> None:
+        if self.reporter is None:
+            return
+        try:
+            self.reporter(job_id, step, phase, version)
+        except Exception as exc:  # progress reports are advisory; training goes on
+            log.warning("step report failed", job_id=job_id, step=step, phase=phase, error=str(exc))
+
+    # -- replica-facing operations (called by the servicer) ---------------------------------------
+    def hand_off(self, replica_id: str, step: int, grads: dict[str, torch.Tensor]) -> None:
+        """Take the gradient sum of a replica leaving ``step`` mid-way, then drop it from the step."""
+        st = self._require()
+        assert self.membership is not None
+        with self._lock:
+            cur = self.membership.current_step()
+            if cur is None or cur[0] != step or cur[2]:
+                raise FailedPrecondition(f"cannot hand off gradients of step {step}: the trainer is at "
+                                         f"{'no step' if cur is None else f'step {cur[0]}'}"
+                                         f"{' (sealed)' if cur and cur[2] else ''}")
+            named = dict(st.learner.model.named_parameters())
+            for name, g in grads.items():
+                if name not in named or tuple(g.shape) != tuple(named[name].shape):
+                    raise InvalidArgument(f"handed-off gradient {name!r} does not match a model parameter")
+            st.handoffs.setdefault(step, []).append(grads)
+            self.membership.leave(replica_id)
+        log.info("gradients handed off", replica_id=replica_id, step=step, tensors=len(grads))
+
+    # -- views ------------------------------------------------------------------------------------
+    def _require(self) -> _JobState:
+        st = self._state
+        if st is None:
+            raise FailedPrecondition("no job has been started on this trainer")
+        return st
+
+    @property
+    def job(self) -> TrainerJob:
+        return self._require().job
+
+    def _set_phase(self, phase: str) -> None:
+        with self._cv:
+            if self._state is not None:
+                self._state.phase = phase
+            self._cv.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        st = self._state
+        if st is None:
+            return {"phase": "idle", "job_id": "", "step": -1, "weight_version": self.weights.latest,
+                    "members": [], "error": ""}
+        return {"phase": st.phase, "job_id": st.job.job_id, "step": st.step, "weight_version": st.version,
+                "members": self.membership.members() if self.membership else [], "error": st.error,
+                "num_steps": st.job.num_steps, "last": st.reports[-1].metrics if st.reports else {}}
+
+    def wait_step(self, step: int, timeout_s: float) -> StepReport | None:
+        """Block until ``step`` has been published (or the job ended); its report or None."""
+        st = self._require()
+        with self._cv:
+            self._cv.wait_for(lambda: any(r.step == step for r in st.reports) or
+                              st.phase in ("done", "failed", "stopped"), timeout=timeout_s)
+            for r in st.reports:
+                if r.step == step:
+                    return r
+        return None
+
+    def model(self) -> torch.nn.Module:
+        return self._require().learner.model

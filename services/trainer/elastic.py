@@ -1,0 +1,294 @@
+"""Elastic data parallelism: per-step membership, sealing, and the gradient all-reduce.
+
+The weights are fixed during a step (one update at its end), so a replica that joins mid-step
+only needs the current weights; it then pulls micro-batches from the same work queue as
+everyone else and accumulates gradient *sums*. When the step's batch is consumed, the step's
+participants rendezvous in a fresh process group (gloo on CPU, NCCL on GPU) built on the
+core's TCPStore under the prefix ``gyre/<job>/step/<s>`` and all-reduce (SUM) their gradients;
+the core applies the optimizer and publishes version s+1.
+
+    core (rank 0)                         replica R (joined mid-step)
+    open_step(s, v) ─────────────┐        JoinStep ─> ticket(step s, version v, store addr)
+    train micro-batches          │        GetWeights(v); train micro-batches
+    queue exhausted: core_done(s)│        queue exhausted: AwaitReduce(s) (blocks)
+      waits for every member  <──┴──────── done(R, s)
+      seal: ranks 0..k, world ─────────────> (rank, world)
+    all-reduce SUM  <══════════ gloo/NCCL ══════════> all-reduce SUM
+    optimizer.step, publish v+1           re-JoinStep for s+1 (GetWeights v+1) or leave
+
+``StepMembership`` lifecycle per step: OPEN (joins land in this step) -> SEALED (world fixed;
+joins land in the next step) -> next ``open_step``. A member that leaves before the seal is
+dropped (it hands its gradient sum to the core first, see ``Learner.add_grads``); a member that
+does not report within ``member_timeout_s`` of the core being done is evicted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class JoinTicket:
+    """What a joining replica needs: which step it is in and which weights to pull."""
+
+    step: int
+    weight_version: int
+    store_host: str
+    store_port: int
+    group_prefix: str
+
+
+@dataclass(frozen=True)
+class Seal:
+    """A participant's place in the step's process group."""
+
+    step: int
+    rank: int
+    world_size: int
+    group_prefix: str
+    release: bool = False  # the orchestrator asked for this replica's cell back after the step
+
+
+@dataclass
+class _Member:
+    replica_id: str
+    cell_id: str
+    step: int
+    joined_at: float
+    done: bool = False
+    left: bool = False
+    evicted: bool = False
+    release: bool = False
+    rank: int = -1
+
+
+@dataclass
+class _StepState:
+    step: int
+    version: int
+    sealed: bool = False
+    core_done: bool = False
+    world: int = 0
+    members: dict[str, _Member] = field(default_factory=dict)
+
+
+class StepMembership:
+    """Thread-safe registry of the replicas taking part in each step (lives in the core)."""
+
+    def __init__(self, *, job_id: str, store_host: str, store_port: int, member_timeout_s: float = 300.0) -> None:
+        self.job_id = job_id
+        self.store_host = store_host
+        self.store_port = store_port
+        self.member_timeout_s = member_timeout_s
+        self._cv = threading.Condition()
+        self._current: _StepState | None = None
+        self._next: dict[str, _Member] = {}  # joined while the current step was sealed
+        self._released: set[str] = set()
+        self._closed = False
+
+    def prefix(self, step: int) -> str:
+        return f"gyre/{self.job_id}/step/{step}"
+
+    # -- core side --------------------------------------------------------------------------------
+    def open_step(self, step: int, version: int) -> None:
+        """Start ``step`` with weights ``version``; replicas that joined during the seal move in."""
+        with self._cv:
+            state = _StepState(step=step, version=version)
+            for m in self._next.values():
+                m.step = step
+                state.members[m.replica_id] = m
+            self._next = {}
+            self._current = state
+            self._cv.notify_all()
+
+    def core_done(self, step: int) -> Seal:
+        """The core consumed its share: wait for every member, seal the world, return rank 0's seal."""
+        with self._cv:
+            state = self._state(step)
+            state.core_done = True
+            deadline = time.monotonic() + self.member_timeout_s
+            while True:
+                pending = [m for m in state.members.values() if not (m.done or m.left or m.evicted)]
+                if not pending:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for m in pending:
+                        m.evicted = True
+                        log.warning("replica evicted", replica_id=m.replica_id, cell_id=m.cell_id, step=step,
+                                    reason=f"no report within {self.member_timeout_s}s")
+                    break
+                self._cv.wait(timeout=min(left, 1.0))
+            ranked = sorted((m for m in state.members.values() if m.done and not (m.left or m.evicted)),
+                            key=lambda m: (m.joined_at, m.replica_id))
+            for rank, m in enumerate(ranked, start=1):
+                m.rank = rank
+                m.release = m.replica_id in self._released
+            state.world = len(ranked) + 1
+            state.sealed = True
+            self._cv.notify_all()
+            return Seal(step=step, rank=0, world_size=state.world, group_prefix=self.prefix(step))
+
+    # -- replica side (called from the gRPC servicer) ---------------------------------------------
+    def join(self, replica_id: str, cell_id: str) -> JoinTicket:
+        """Register ``replica_id`` in the current step if it is open, else in the next one."""
+        if not replica_id:
+            raise ValueError("replica_id must be non-empty")
+        with self._cv:
+            if self._closed:
+                raise FailedPrecondition("the trainer job is stopping; no new replicas")
+            state = self._current
+            if state is None:
+                raise FailedPrecondition("no step is running yet; start a job first")
+            if replica_id in state.members and not (state.members[replica_id].left or state.sealed):
+                m = state.members[replica_id]
+                return self._ticket(state.step, state.version)  # idempotent retry
+            member = _Member(replica_id=replica_id, cell_id=cell_id, step=state.step, joined_at=time.monotonic())
+            if state.sealed:
+                member.step = state.step + 1
+                self._next[replica_id] = member
+                log.info("replica joined next step", replica_id=replica_id, cell_id=cell_id, step=member.step)
+                return self._ticket(state.step + 1, state.version + 1)
+            state.members[replica_id] = member
+            log.info("replica joined", replica_id=replica_id, cell_id=cell_id, step=state.step)
+            return self._ticket(state.step, state.version)
+
+    def done(self, replica_id: str, step: int, timeout_s: float | None = None) -> Seal:
+        """A replica consumed its share of ``step``: block until the world is sealed, return its rank."""
+        with self._cv:
+            state = self._state(step)
+            m = state.members.get(replica_id)
+            if m is None:
+                raise NotFound(f"replica {replica_id!r} is not a member of step {step}")
+            if m.evicted or m.left:
+                raise FailedPrecondition(f"replica {replica_id!r} was {'evicted from' if m.evicted else 'left'} "
+                                         f"step {step}")
+            m.done = True
+            self._cv.notify_all()
+            ok = self._cv.wait_for(lambda: state.sealed or self._closed, timeout=timeout_s)
+            if not ok or not state.sealed:
+                raise Unavailable(f"step {step} was not sealed in time")
+            if m.evicted:
+                raise FailedPrecondition(f"replica {replica_id!r} was evicted from step {step}")
+            return Seal(step=step, rank=m.rank, world_size=state.world, group_prefix=self.prefix(step),
+                        release=m.release)
+
+    def leave(self, replica_id: str) -> int:
+        """Drop ``replica_id`` from the open step (and the next); returns the step it left."""
+        with self._cv:
+            self._next.pop(replica_id, None)
+            self._released.discard(replica_id)
+            state = self._current
+            if state is None or replica_id not in state.members:
+                return -1
+            m = state.members[replica_id]
+            if state.sealed and m.done and not m.evicted:
+                raise FailedPrecondition(f"step {state.step} is sealed with replica {replica_id!r} in it; "
+                                         f"it must take part in the all-reduce before leaving")
+            m.left = True
+            self._cv.notify_all()
+            log.info("replica left", replica_id=replica_id, step=state.step)
+            return state.step
+
+    def release(self, replica_id: str) -> bool:
+        """Ask for ``replica_id``'s cell back after the step it is in; False if unknown."""
+        with self._cv:
+            known = self._member(replica_id) is not None
+            if known:
+                self._released.add(replica_id)
+            return known
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    # -- views ------------------------------------------------------------------------------------
+    def members(self) -> list[dict[str, object]]:
+        with self._cv:
+            out = []
+            state = self._current
+            groups = [(state.members.values() if state else []), self._next.values()]
+            for group in groups:
+                for m in group:
+                    out.append({"replica_id": m.replica_id, "cell_id": m.cell_id, "step": m.step, "done": m.done,
+                                "left": m.left, "evicted": m.evicted, "rank": m.rank,
+                                "release": m.replica_id in self._released})
+            return out
+
+    def current_step(self) -> tuple[int, int, bool] | None:
+        with self._cv:
+            s = self._current
+            return None if s is None else (s.step, s.version, s.sealed)
+
+    def _member(self, replica_id: str) -> _Member | None:
+        s = self._current
+        if s is not None and replica_id in s.members and not s.members[replica_id].left:
+            return s.members[replica_id]
+        return self._next.get(replica_id)
+
+    def _state(self, step: int) -> _StepState:
+        s = self._current
+        if s is None or s.step != step:
+            raise FailedPrecondition(f"step {step} is not the trainer's current step "
+                                     f"({None if s is None else s.step})")
+        return s
+
+    def _ticket(self, step: int, version: int) -> JoinTicket:
+        return JoinTicket(step=step, weight_version=version, store_host=self.store_host, store_port=self.store_port,
+                          group_prefix=self.prefix(step))
+
+
+# --- the collective ------------------------------------------------------------------------------
+
+def open_group(seal: Seal, *, store_host: str, store_port: int, backend: str,
+               timeout_s: float = 600.0, store: object | None = None) -> object:
+    """A fresh process group of the step's participants (no global torch.distributed state)."""
+    import torch.distributed as dist
+
+    if store is None:
+        store = dist.TCPStore(store_host, store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    prefixed = dist.PrefixStore(seal.group_prefix, store)  # type: ignore[arg-type]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefixed, seal.rank, seal.world_size, timeout=timeout)  # type: ignore[call-arg]
+    if backend != "gloo":
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    return dist.ProcessGroupGloo(prefixed, seal.rank, seal.world_size, timeout)
+
+
+def all_reduce_step(group: object, buckets: list[list[torch.nn.Parameter]], stats_vec: torch.Tensor,
+                    extrema: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SUM the gradient buckets in place (flattened per bucket) plus the stats; MAX the extrema."""
+    import torch.distributed as dist
+
+    pg = group
+    for bucket in buckets:
+        grads = [p.grad for p in bucket]
+        assert all(g is not None for g in grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+        pg.allreduce([flat]).wait()  # type: ignore[attr-defined]
+        offset = 0
+        for g in grads:
+            n = g.numel()  # type: ignore[union-attr]
+            g.copy_(flat[offset:offset + n].view_as(g))  # type: ignore[union-attr]
+            offset += n
+    device = buckets[0][0].device if buckets else torch.device("cpu")
+    stats = stats_vec.to(device)
+    pg.allreduce([stats]).wait()  # type: ignore[attr-defined]
+    ext = extrema.to(device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([ext], opts).wait()  # type: ignore[attr-defined]
+    return stats.cpu(), ext.cpu()

@@ -1,0 +1,90 @@
+"""A training job as the trainer core runs it (``StartJob``), validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from services.trainer.learner import OptimConfig
+from services.trainer.objective import ObjectiveConfig
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerJob:
+    """Everything the core (and, through JoinStep, every replica) needs to train a job."""
+
+    job_id: str
+    """Job id (scheduler's); prefixes store keys and checkpoints."""
+    model: str = "tiny"
+    """Model spec: 'tiny[:k=v]', 'qwen3-0.6b', a local model dir or config.json (services.trainer.model)."""
+    source: str = "trajectory"
+    """Micro-batch source: 'trajectory' (the trajectory service) or 'synthetic:k=v,...'."""
+    trajectory_address: str = ""
+    """host:port of the trajectory service (source 'trajectory')."""
+    engine_addresses: tuple[str, ...] = ()
+    """Rollout engines that receive every new weight version (Engine.UpdateWeights)."""
+    scheduler_address: str = ""
+    """Scheduler to report step progress to (ReportTraining); empty = do not report."""
+    num_steps: int = 1
+    """Optimizer updates to run; the job ends after step num_steps - 1."""
+    start_step: int = 0
+    """First step (weights are version start_step); ignored when resuming from a checkpoint."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """Policy-gradient loss hyper-parameters."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW hyper-parameters."""
+    temperature: float = 1.0
+    """Sampling temperature the engines used: trainer logits are divided by it."""
+    kl_reference: str = "behaviour"
+    """KL term reference: 'behaviour' (the rollout log-probs) or 'initial' (a frozen copy of the
+    initial weights; costs one extra forward per micro-batch)."""
+    attention: str = "auto"
+    """Tree mask backend: 'sdpa' (dense, small N), 'flex' (BlockMask) or 'auto'."""
+    dtype: str = "float32"
+    """Parameter dtype: 'float32' or 'bfloat16'."""
+    device: str = "cpu"
+    """torch device of the core; replicas use their own (cuda if present)."""
+    seed: int = 0
+    """Seed of the random init (tiny / config models) and of torch's RNG."""
+    checkpoint_dir: str = ""
+    """Directory of atomic checkpoints; empty = no checkpoints."""
+    checkpoint_every: int = 1
+    """Save after every this many updates."""
+    checkpoint_keep: int = 2
+    """Complete checkpoints kept."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in checkpoint_dir if there is one."""
+    max_dense_tokens: int = 8192
+    """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto')."""
+
+    def __post_init__(self) -> None:
+        if not self.job_id or "/" in self.job_id:
+            raise ValueError(f"job_id must be non-empty and contain no '/', got {self.job_id!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {self.start_step}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if self.kl_reference not in ("behaviour", "initial"):
+            raise ValueError(f"kl_reference must be 'behaviour' or 'initial', got {self.kl_reference!r}")
+        if self.attention not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.checkpoint_every < 1 or self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_every and checkpoint_keep must be >= 1")
+        if self.source == "trajectory" and not self.trajectory_address:
+            raise ValueError("source 'trajectory' needs trajectory_address")
+        if not (self.source == "trajectory" or self.source.startswith("synthetic")):
+            raise ValueError(f"source must be 'trajectory' or 'synthetic:k=v,...', got {self.source!r}")
+        if self.max_dense_tokens < 1:
+            raise ValueError(f"max_dense_tokens must be >= 1, got {self.max_dense_tokens}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

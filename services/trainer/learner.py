@@ -1,0 +1,218 @@
+"""Gradient accumulation over streamed micro-batches, and the optimizer update (core only).
+
+Every replica (core included) runs a ``Learner``: for each micro-batch it validates the batch,
+runs the tree-packed forward, and back-propagates loss = sum_i w_i * loss_i, so ``.grad`` holds
+gradient *sums*. Because the trajectory service normalizes ``loss_weights`` over the whole step,
+the sum over every micro-batch of the step (on every replica) is exactly the step loss, and the
+all-reduce SUM of the replicas' gradients is exactly its gradient - whoever processed which batch.
+
+Lifecycle per step:  begin_step(step, version) -> train(batch) x k -> flat buffer -> all-reduce
+                     -> (core) Updater.apply() -> version + 1
+
+Metrics ride in the same all-reduce: ``StepStats`` packs the objective's weighted sums, token
+counts and the staleness histogram into one float64 vector appended to the gradient buckets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.trainer.batch import PackedBatchLike, staleness, validate_batch
+from services.trainer.objective import SUM_METRICS, ObjectiveConfig, policy_loss
+from services.trainer.tree_forward import TreePolicy, TreeTensors
+
+# Staleness histogram buckets (versions behind): 0, 1, 2, 3, 4-7, 8+.
+STALENESS_EDGES: tuple[int, ...] = (0, 1, 2, 3, 4, 8)
+STALENESS_LABELS: tuple[str, ...] = ("0", "1", "2", "3", "4-7", "8+")
+_COUNTS: tuple[str, ...] = ("tokens", "micro_batches")
+
+
+@dataclass
+class StepStats:
+    """Additive statistics of a step (one replica's share until all-reduced)."""
+
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_METRICS, 0.0))
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0.0))
+    staleness_hist: np.ndarray = field(default_factory=lambda: np.zeros(len(STALENESS_EDGES)))
+    ratio_max: float = -math.inf
+    ratio_min: float = math.inf
+
+    def vector(self) -> torch.Tensor:
+        """The additive part as one float64 tensor (order fixed by SUM_METRICS/_COUNTS)."""
+        vals = [self.sums[k] for k in SUM_METRICS] + [self.counts[k] for k in _COUNTS]
+        return torch.tensor(vals + list(self.staleness_hist), dtype=torch.float64)
+
+    def load_vector(self, vec: torch.Tensor) -> None:
+        v = vec.tolist()
+        ns, nc = len(SUM_METRICS), len(_COUNTS)
+        self.sums = dict(zip(SUM_METRICS, v[:ns]))
+        self.counts = dict(zip(_COUNTS, v[ns:ns + nc]))
+        self.staleness_hist = np.asarray(v[ns + nc:])
+
+    def extrema(self) -> torch.Tensor:
+        """[max ratio, -min ratio]: reduce with MAX."""
+        return torch.tensor([self.ratio_max, -self.ratio_min], dtype=torch.float64)
+
+    def load_extrema(self, vec: torch.Tensor) -> None:
+        self.ratio_max, neg_min = vec.tolist()
+        self.ratio_min = -neg_min
+
+    def as_dict(self) -> dict[str, float]:
+        """Step-level metrics: the weighted sums already are per-execution means (weights sum to 1)."""
+        out = {k: float(v) for k, v in self.sums.items()}
+        out.update({k: float(v) for k, v in self.counts.items()})
+        out["ratio_max"] = self.ratio_max
+        out["ratio_min"] = self.ratio_min
+        total = float(self.staleness_hist.sum())
+        for label, c in zip(STALENESS_LABELS, self.staleness_hist):
+            out[f"staleness_{label}"] = float(c)
+        out["staleness_mean_frac_fresh"] = float(self.staleness_hist[0] / total) if total else 1.0
+        return out
+
+
+def staleness_counts(values: np.ndarray) -> np.ndarray:
+    """Histogram of staleness values over STALENESS_EDGES (vectorized)."""
+    bucket = np.searchsorted(np.asarray(STALENESS_EDGES), np.asarray(values), side="right") - 1
+    return np.bincount(np.clip(bucket, 0, len(STALENESS_EDGES) - 1), minlength=len(STALENESS_EDGES)).astype(float)
+
+
+class Learner:
+    """Forward/backward over micro-batches with gradient-sum accumulation (no optimizer)."""
+
+    def __init__(self, policy: TreePolicy, objective: ObjectiveConfig, *, vocab_size: int,
+                 ref_policy: TreePolicy | None = None) -> None:
+        self.policy = policy
+        self.model = policy.model
+        self.objective = objective
+        self.vocab_size = vocab_size
+        self.ref_policy = ref_policy
+        self.step = -1
+        self.version = 0
+        self.stats = StepStats()
+        self.compute_s = 0.0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def begin_step(self, step: int, version: int) -> None:
+        """Zero the gradient sums and statistics for ``step`` (weights are ``version``)."""
+        self.step = step
+        self.version = version
+        self.stats = StepStats()
+        self.compute_s = 0.0
+        for p in self.params:
+            p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def check(self, batch: PackedBatchLike) -> None:
+        """Validate a micro-batch for this step (raises InvalidArgument / FailedPrecondition)."""
+        validate_batch(batch, vocab_size=self.vocab_size, step=self.step, current_version=self.version)
+
+    def train(self, batch: PackedBatchLike) -> dict[str, float]:
+        """Accumulate one micro-batch's gradient sum; returns its own (unreduced) metrics."""
+        self.check(batch)
+        start = time.perf_counter()
+        t = TreeTensors.from_batch(batch, self.policy.device)
+        self.model.train()
+        logp, ent = self.policy.target_logprobs(t)
+        ref = None
+        if self.ref_policy is not None:
+            with torch.no_grad():
+                ref, _ = self.ref_policy.target_logprobs(t)
+        out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
+                          entropy=ent, ref_logprobs=ref)
+        out.loss.backward()
+        self.compute_s += time.perf_counter() - start
+        s = self.stats
+        for k, v in out.sums.items():
+            s.sums[k] += float(v)
+        s.counts["tokens"] += t.num_tokens
+        s.counts["micro_batches"] += 1
+        s.staleness_hist = s.staleness_hist + staleness_counts(staleness(batch, self.version))
+        s.ratio_max = max(s.ratio_max, float(out.ratio_max))
+        s.ratio_min = min(s.ratio_min, float(out.ratio_min))
+        return {"loss": float(out.loss), "tokens": float(t.num_tokens), "targets": float(t.num_targets)}
+
+    # -- gradient buffers for the all-reduce ------------------------------------------------------
+    def grad_buckets(self, bucket_bytes: int = 64 << 20) -> Iterator[list[torch.nn.Parameter]]:
+        """Parameters grouped into buckets of about ``bucket_bytes`` of gradient."""
+        bucket: list[torch.nn.Parameter] = []
+        size = 0
+        for p in self.params:
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def add_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add a gradient sum handed off by a replica that left mid-step (by parameter name)."""
+        named = dict(self.model.named_parameters())
+        unknown = set(grads) - set(named)
+        if unknown:
+            raise ValueError(f"handed-off gradients name unknown parameters: {sorted(unknown)[:3]}")
+        for name, g in grads.items():
+            p = named[name]
+            if g.shape != p.shape:
+                raise ValueError(f"handed-off gradient {name} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
+            assert p.grad is not None
+            p.grad.add_(g.to(p.grad.device, p.grad.dtype))
+
+    def grads_by_name(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW hyper-parameters of the core's optimizer."""
+
+    lr: float = 1e-5
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.eps <= 0 or self.max_grad_norm < 0:
+            raise ValueError("weight_decay and max_grad_norm must be >= 0 and eps > 0")
+
+
+class Updater:
+    """The core's optimizer: applies the reduced gradient sums once per step."""
+
+    def __init__(self, model: torch.nn.Module, config: OptimConfig) -> None:
+        self.model = model
+        self.config = config
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=config.betas,
+            eps=config.eps, weight_decay=config.weight_decay, foreach=False)
+
+    def apply(self) -> float:
+        """Clip, step, zero; returns the pre-clip global gradient norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(norm):
+            # A non-finite gradient would poison the weights; skip the update, keep the version.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {norm}; update skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm

@@ -1,0 +1,106 @@
+"""Building the policy model: any transformers causal LM from a local path, or a built-in config.
+
+Model specs (``TrainerJob.model``):
+
+    tiny                      the test model: Qwen3 architecture, 2 layers, hidden 64, vocab 512
+    tiny:layers=4,hidden=128  the tiny model with overrides (layers, hidden, vocab, heads, kv_heads,
+                              intermediate)
+    qwen3-0.6b                a Qwen3-0.6B-sized config (random init) for throughput benches
+    /path/to/model_dir        a local ``from_pretrained`` directory (never a hub download)
+    /path/to/config.json      a local config, random init
+
+Random inits are seeded (``seed``) so every process that builds the same spec gets the same
+weights; at run time replicas take the core's weights anyway (``GetWeights``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+TINY_DEFAULTS: dict[str, int] = {
+    "layers": 2, "hidden": 64, "vocab": 512, "heads": 4, "kv_heads": 2, "intermediate": 128,
+}
+
+
+def tiny_config(**overrides: int) -> Any:
+    """The Qwen3-architecture test model's config (``TINY_DEFAULTS`` plus ``overrides``)."""
+    from transformers import Qwen3Config
+
+    unknown = set(overrides) - set(TINY_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown tiny-model overrides {sorted(unknown)}; known: {sorted(TINY_DEFAULTS)}")
+    p = {**TINY_DEFAULTS, **overrides}
+    if p["hidden"] % p["heads"] or p["heads"] % p["kv_heads"]:
+        raise ValueError(f"tiny model needs hidden % heads == 0 and heads % kv_heads == 0, got {p}")
+    return Qwen3Config(
+        vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
+        num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+        head_dim=p["hidden"] // p["heads"], max_position_embeddings=1 << 20, tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+
+
+def qwen3_0_6b_config() -> Any:
+    """Qwen3-0.6B's shapes (28 layers, hidden 1024, GQA 16/8, head_dim 128, vocab 151936)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 20,
+        tie_word_embeddings=True, rope_theta=1_000_000.0, attention_dropout=0.0,
+    )
+
+
+def parse_tiny_spec(spec: str) -> dict[str, int]:
+    """``tiny:layers=4,hidden=128`` -> {"layers": 4, "hidden": 128}."""
+    _, _, rest = spec.partition(":")
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not value.strip().isdigit():
+            raise ValueError(f"model spec {spec!r}: expected key=int pairs after 'tiny:', got {part!r}")
+        out[key.strip()] = int(value)
+    return out
+
+
+def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                seed: int = 0, attention: str = "sdpa") -> torch.nn.Module:
+    """Build (and move to ``device``) the causal LM named by ``spec``; see the module docstring."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.trainer.tree_forward import register_attention
+
+    register_attention()
+    attn_impl = "gyre_flex" if attention == "flex" else "sdpa"
+    if spec == "tiny" or spec.startswith("tiny:"):
+        config = tiny_config(**parse_tiny_spec(spec))
+    elif spec == "qwen3-0.6b":
+        config = qwen3_0_6b_config()
+    elif os.path.isfile(spec) and spec.endswith(".json"):
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    elif os.path.isdir(spec):
+        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=dtype,
+                                                     attn_implementation=attn_impl)
+        return _check_supported(model).to(device)
+    else:
+        raise ValueError(f"model spec {spec!r} is neither 'tiny[:k=v,...]', 'qwen3-0.6b', a local model "
+                         f"directory nor a config.json")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_impl)
+    return _check_supported(model).to(device)
+
+
+def _check_supported(model: torch.nn.Module) -> torch.nn.Module:
+    """Reject heads the chunked log-prob path would silently get wrong (it applies lm_head itself)."""
+    cfg = model.config  # type: ignore[attr-defined]
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        value = getattr(cfg, attr, None)
+        if value not in (None, 0, 1, 1.0):
+            raise ValueError(f"model config sets {attr}={value}; the trainer's log-prob head does not support it")
+    if model.get_output_embeddings() is None:  # type: ignore[operator]
+        raise ValueError("model has no output embeddings (lm_head); the trainer needs a causal LM")
+    return model

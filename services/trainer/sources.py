@@ -1,0 +1,173 @@
+"""Where micro-batches come from: a work queue shared by all replicas of a step.
+
+Every replica (core included) calls ``next(step)`` until it returns None (the step's batch is
+consumed); each micro-batch goes to exactly one caller and is acknowledged after its gradient was
+accumulated. Pulling on demand is what keeps replicas in phase: a fast replica simply takes more
+micro-batches, and since micro-batches are sized by a token budget, the last one any replica is
+still working on when the queue runs dry is at most one micro-batch of work - all replicas reach
+the all-reduce within about one micro-batch time of each other.
+
+Implementations:
+  * ``TrajectorySource`` (services/trainer/trajectory_source.py) - the trajectory service's
+    ``StreamBatches`` work queue (production).
+  * ``ListSource`` - an in-process list per step (unit tests, single-process benches).
+  * ``StoreQueueSource`` - deterministic synthetic steps shared by *processes* through the core's
+    TCPStore (an atomic counter hands out indices): multi-process DP tests and benches without
+    the trajectory service. Spec: ``synthetic:seed=1,executions=8,tokens=256,...``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from services.trainer.batch import PackedBatchLike
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A micro-batch handed to one consumer; call ``ack`` once its gradient is accumulated."""
+
+    batch: PackedBatchLike
+    ack: Callable[[], None]
+    reject: Callable[[str], None]
+    batch_id: str = ""
+
+
+class BatchSource(Protocol):
+    def next(self, step: int) -> Delivery | None:
+        """The next micro-batch of ``step`` for this consumer, or None once the step is consumed."""
+
+    def close(self) -> None: ...
+
+
+def _noop(*_a: Any) -> None:
+    return None
+
+
+class ListSource:
+    """Micro-batches given up front, per step; thread-safe (several in-process consumers)."""
+
+    def __init__(self, steps: Mapping[int, Sequence[PackedBatchLike]]) -> None:
+        self._queues = {s: list(b) for s, b in steps.items()}
+        self._lock = threading.Lock()
+        self.acked: list[tuple[int, int]] = []
+        self.rejected: list[tuple[int, int, str]] = []
+        self._handed: dict[int, int] = {}
+
+    def next(self, step: int) -> Delivery | None:
+        with self._lock:
+            i = self._handed.get(step, 0)
+            q = self._queues.get(step, [])
+            if i >= len(q):
+                return None
+            self._handed[step] = i + 1
+        return Delivery(batch=q[i], ack=lambda: self.acked.append((step, i)),
+                        reject=lambda why: self.rejected.append((step, i, why)), batch_id=f"{step}/{i}")
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Parameters of ``synthetic.make_step`` (parsed from ``synthetic:k=v,...``)."""
+
+    seed: int = 0
+    executions: int = 4
+    tokens: int = 256          # micro-batch token budget
+    depth: int = 2
+    branching: int = 2
+    context: int = 8
+    generated: int = 8
+    root: int = 16
+    vocab: int = 512
+    hold_step: int = -1        # test hook: in this step, hand out index >= hold_after only after
+    hold_after: int = 0        #   the store key "<prefix>/release/<step>" is set
+
+    @classmethod
+    def parse(cls, spec: str) -> "SyntheticSpec":
+        kind, _, rest = spec.partition(":")
+        if kind != "synthetic":
+            raise ValueError(f"not a synthetic source spec: {spec!r}")
+        kwargs: dict[str, int] = {}
+        fields = set(cls.__dataclass_fields__)
+        for part in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or key not in fields:
+                raise ValueError(f"synthetic source spec {spec!r}: unknown or malformed {part!r}; "
+                                 f"known keys: {sorted(fields)}")
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ValueError(f"synthetic source spec {spec!r}: {key} must be an integer") from None
+        return cls(**kwargs)
+
+    def make(self, step: int, weight_version: int = 0) -> Any:
+        from services.trainer.synthetic import make_step
+
+        return make_step(self.seed * 1_000_003 + step, step=step, num_executions=self.executions,
+                         vocab=self.vocab, depth=self.depth, branching=self.branching,
+                         context_tokens=self.context, generated_tokens=self.generated, root_tokens=self.root,
+                         micro_batch_tokens=self.tokens, weight_version=weight_version)
+
+
+class StoreQueueSource:
+    """Synthetic steps shared across processes: a TCPStore counter hands out micro-batch indices."""
+
+    def __init__(self, spec: SyntheticSpec, *, store: Any, prefix: str, timeout_s: float = 300.0) -> None:
+        self.spec = spec
+        self.store = store
+        self.prefix = prefix
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._cache: dict[int, Any] = {}
+
+    @classmethod
+    def connect(cls, spec: SyntheticSpec, *, host: str, port: int, prefix: str) -> "StoreQueueSource":
+        import torch.distributed as dist
+
+        return cls(spec, store=dist.TCPStore(host, port, is_master=False), prefix=prefix)
+
+    def _step(self, step: int) -> Any:
+        if step not in self._cache:
+            # Every process regenerates the same step from the seed; weight_version is the step's
+            # own (synthetic data is on-policy) so staleness is 0.
+            self._cache = {step: self.spec.make(step, weight_version=step)}
+        return self._cache[step]
+
+    def next(self, step: int) -> Delivery | None:
+        batches = self._step(step).batches
+        idx = int(self.store.add(f"{self.prefix}/next/{step}", 1)) - 1
+        if idx >= len(batches):
+            return None
+        if step == self.spec.hold_step and idx >= self.spec.hold_after:
+            self.store.add(f"{self.prefix}/waiting/{step}", 1)
+            self.store.wait([f"{self.prefix}/release/{step}"], self.timeout)
+        key = f"{self.prefix}/acked/{step}"
+        return Delivery(batch=batches[idx], ack=lambda: self.store.add(key, 1),
+                        reject=lambda why: self.store.add(f"{self.prefix}/rejected/{step}", 1),
+                        batch_id=f"{step}/{idx}")
+
+    def close(self) -> None:
+        return None
+
+
+def open_source(spec: str, *, store_host: str, store_port: int, job_id: str, consumer_id: str,
+                trajectory_address: str = "", store: Any = None) -> BatchSource:
+    """Build the source named by a job's ``source`` field for one consumer (core or replica)."""
+    if spec.startswith("synthetic"):
+        s = SyntheticSpec.parse(spec)
+        prefix = f"gyre/{job_id}/synthetic"
+        if store is not None:
+            return StoreQueueSource(s, store=store, prefix=prefix)
+        return StoreQueueSource.connect(s, host=store_host, port=store_port, prefix=prefix)
+    if spec == "trajectory":
+        if not trajectory_address:
+            raise ValueError("source 'trajectory' needs the trajectory service address")
+        from services.trainer.trajectory_source import TrajectorySource
+
+        return TrajectorySource(trajectory_address, job_id=job_id, consumer_id=consumer_id)
+    raise ValueError(f"unknown batch source {spec!r}; use 'trajectory' or 'synthetic:k=v,...'")

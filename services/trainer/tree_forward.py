@@ -1,0 +1,283 @@
+"""Tree-packed forward: one packed sequence, position ids = depth, a tree attention mask.
+
+A micro-batch is a forest in DFS order: token j may attend to token i iff
+
+    i <= j < subtree_end[i]          (i is j itself or one of j's ancestors)
+
+so every token sees exactly its root-to-token path, and the log-prob of each target equals the
+one a per-path causal forward would give, while shared prefixes are computed once.
+
+Two mask backends:
+
+* ``sdpa``  - a dense bool mask (1, 1, N, N) for torch SDPA. O(N^2) memory: only for small N
+  (``max_dense_tokens``, default 8192 -> 64 MiB of bools; tests and CPU runs).
+* ``flex``  - a flex_attention ``BlockMask`` built *directly* from the block structure of the
+  tree in O((N/B)^2) (no N x N tensor is ever materialized), used through the attention function
+  ``gyre_flex`` registered with transformers. On CUDA it runs the compiled block-sparse kernel
+  (``compile_flex``); on CPU, torch 2.13 supports flex_attention both eagerly (the reference
+  implementation, which materializes scores per head: correct, not memory-saving) and compiled
+  (a C++ template; ~30 s compile), so CPU defaults to eager flex for correctness checks only.
+
+Target log-probs: hidden state at parent[i] -> lm_head -> log_softmax -> gather input_ids[i],
+computed in chunks of ``logits_chunk_tokens`` targets under activation checkpointing, so the
+(T x vocab) logits never exist at once (memory linear in tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from services.trainer.batch import PackedBatchLike
+
+_REGISTERED = False
+_COMPILED_FLEX: Any = None
+
+
+# --- masks ---------------------------------------------------------------------------------------
+
+def tree_mask_dense(subtree_end: torch.Tensor) -> torch.Tensor:
+    """(1, 1, N, N) bool: [q, kv] = kv <= q < subtree_end[kv]. O(N^2): small N only."""
+    n = subtree_end.shape[0]
+    idx = torch.arange(n, device=subtree_end.device)
+    q = idx[:, None]
+    kv = idx[None, :]
+    return ((kv <= q) & (q < subtree_end[None, :].to(idx.dtype)))[None, None]
+
+
+def tree_mask_mod(subtree_end: torch.Tensor) -> Any:
+    """flex_attention mask_mod of the tree mask; ``subtree_end`` padded to the block grid with 0."""
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    return mask_mod
+
+
+def tree_block_mask(subtree_end: torch.Tensor, *, block_size: int = 128) -> Any:
+    """flex_attention BlockMask of the tree mask, from block statistics only (no N x N tensor).
+
+    For a KV block, the queries attending any of its tokens form one contiguous range
+    [first token, max subtree_end) (each token's range starts at itself and starts are
+    consecutive), so query block qb touches KV block kb iff it intersects that range. The pair is
+    *full* (no mask_mod needed) iff qb > kb and every token's subtree in kb reaches past qb's end.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = subtree_end.shape[0]
+    device = subtree_end.device
+    nb = (n + block_size - 1) // block_size
+    padded = nb * block_size
+    end = subtree_end.to(torch.int64)
+    end_pad0 = torch.zeros(padded, dtype=torch.int64, device=device)
+    end_pad0[:n] = end
+    end_padbig = torch.full((padded,), padded + 1, dtype=torch.int64, device=device)
+    end_padbig[:n] = end
+    max_end = end_pad0.view(nb, block_size).max(dim=1).values
+    min_end = end_padbig.view(nb, block_size).min(dim=1).values
+    blocks = torch.arange(nb, device=device)
+    q_start = blocks * block_size
+    q_stop = torch.clamp(q_start + block_size, max=n)
+    kv_start = blocks * block_size
+    touch = (q_start[:, None] < max_end[None, :]) & (q_stop[:, None] > kv_start[None, :])
+    full = (blocks[:, None] > blocks[None, :]) & (q_stop[:, None] <= min_end[None, :])
+    partial = touch & ~full
+
+    def as_kv(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = sel.sum(dim=1, dtype=torch.int32)
+        # Stable sort puts the selected block indices first, in increasing order.
+        order = torch.argsort((~sel).to(torch.int8), dim=1, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    kv_num, kv_idx = as_kv(partial)
+    full_num, full_idx = as_kv(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+        mask_mod=tree_mask_mod(end_pad0.to(torch.int32)), seq_lengths=(n, n),
+    )
+
+
+# --- attention function registered with transformers -------------------------------------------
+
+def _flex_fn(device_type: str, compile_flex: bool) -> Any:
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compile_flex:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def _gyre_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: flex_attention with the tree BlockMask passed as the mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(attention_mask, BlockMask):
+        raise ValueError("attn_implementation 'gyre_flex' needs a BlockMask (tree_block_mask) as attention_mask")
+    compile_flex = bool(getattr(module.config, "gyre_compile_flex", query.device.type == "cuda"))
+    fn = _flex_fn(query.device.type, compile_flex)
+    out = fn(query, key, value, block_mask=attention_mask, scale=scaling,
+             enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register ``gyre_flex`` with transformers' AttentionInterface (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("gyre_flex", _gyre_flex_attention)
+    _REGISTERED = True
+
+
+# --- tensors of one micro-batch ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TreeTensors:
+    """A packed micro-batch as torch tensors on the model's device; ``target_*`` are per target."""
+
+    input_ids: torch.Tensor        # int64 [N]
+    position_ids: torch.Tensor     # int64 [N]
+    subtree_end: torch.Tensor      # int64 [N]
+    target_index: torch.Tensor     # int64 [T] positions of trainable tokens
+    target_parent: torch.Tensor    # int64 [T] their parents (whose logits predict them)
+    target_ids: torch.Tensor       # int64 [T]
+    old_logprobs: torch.Tensor     # float32 [T]
+    advantages: torch.Tensor       # float32 [T]
+    loss_weights: torch.Tensor     # float32 [T]
+    weight_version: torch.Tensor   # int64 [T]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.target_index.shape[0])
+
+    @classmethod
+    def from_batch(cls, batch: PackedBatchLike, device: str | torch.device = "cpu") -> "TreeTensors":
+        tgt = np.flatnonzero(np.asarray(batch.trainable))
+
+        def t(a: Any, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+        ids = np.asarray(batch.input_ids)
+        return cls(
+            input_ids=t(ids, torch.int64), position_ids=t(batch.position_ids, torch.int64),
+            subtree_end=t(batch.subtree_end, torch.int64), target_index=t(tgt, torch.int64),
+            target_parent=t(np.asarray(batch.parent)[tgt], torch.int64), target_ids=t(ids[tgt], torch.int64),
+            old_logprobs=t(np.asarray(batch.old_logprobs)[tgt], torch.float32),
+            advantages=t(np.asarray(batch.advantages)[tgt], torch.float32),
+            loss_weights=t(np.asarray(batch.loss_weights)[tgt], torch.float32),
+            weight_version=t(np.asarray(batch.weight_version)[tgt], torch.int64),
+        )
+
+
+# --- forward -------------------------------------------------------------------------------------
+
+def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, target_ids: torch.Tensor,
+                    inv_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(hidden).float() * inv_temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, target_ids[:, None])[:, 0]
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy
+
+
+def head_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, target_ids: torch.Tensor, *,
+                  temperature: float = 1.0, chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of ``target_ids`` given the predicting hidden states [T, H], chunked."""
+    inv_t = 1.0 / temperature
+    if hidden.shape[0] <= chunk_tokens:
+        return _chunk_logprobs(lm_head, hidden, target_ids, inv_t)
+    outs = [
+        checkpoint(_chunk_logprobs, lm_head, hidden[s:s + chunk_tokens], target_ids[s:s + chunk_tokens], inv_t,
+                   use_reentrant=False)
+        for s in range(0, hidden.shape[0], chunk_tokens)
+    ]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+class TreePolicy:
+    """Runs a transformers causal LM on packed trees and returns per-target log-probs / entropies.
+
+    ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask) or "auto" (sdpa up to
+    ``max_dense_tokens``, flex above). The model must have been built with the matching
+    attn_implementation ("sdpa" or "gyre_flex"); "auto" switches it per batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, attention: str = "auto", temperature: float = 1.0,
+                 max_dense_tokens: int = 8192, flex_block_size: int = 128, logits_chunk_tokens: int = 4096) -> None:
+        if attention not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {attention!r}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        register_attention()
+        self.model = model
+        self.attention = attention
+        self.temperature = temperature
+        self.max_dense_tokens = max_dense_tokens
+        self.flex_block_size = flex_block_size
+        self.logits_chunk_tokens = logits_chunk_tokens
+        self.decoder = model.get_decoder()  # type: ignore[operator]
+        self.lm_head = model.get_output_embeddings()  # type: ignore[operator]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def backend_for(self, num_tokens: int) -> str:
+        if self.attention != "auto":
+            return self.attention
+        return "sdpa" if num_tokens <= self.max_dense_tokens else "flex"
+
+    def hidden_states(self, t: TreeTensors) -> torch.Tensor:
+        """Last hidden states [N, H] of the packed forest under the tree mask."""
+        backend = self.backend_for(t.num_tokens)
+        if backend == "sdpa":
+            if t.num_tokens > self.max_dense_tokens:
+                raise ValueError(f"{t.num_tokens} tokens exceed max_dense_tokens={self.max_dense_tokens} for the "
+                                 f"dense SDPA tree mask; use attention='flex'")
+            mask: Any = tree_mask_dense(t.subtree_end)
+            impl = "sdpa"
+        else:
+            mask = tree_block_mask(t.subtree_end, block_size=self.flex_block_size)
+            impl = "gyre_flex"
+        if self.model.config._attn_implementation != impl:  # type: ignore[attr-defined]
+            self.model.set_attn_implementation(impl)  # type: ignore[operator]
+        out = self.decoder(input_ids=t.input_ids[None], position_ids=t.position_ids[None],
+                           attention_mask=mask, use_cache=False)
+        return out.last_hidden_state[0]
+
+    def target_logprobs(self, t: TreeTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [T], entropy [T]) of the batch's targets, differentiable w.r.t. the model."""
+        hidden = self.hidden_states(t)
+        return head_logprobs(self.lm_head, hidden[t.target_parent], t.target_ids,
+                             temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
+
+    def path_logprobs(self, paths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Per-path causal baseline: [P, L] right-padded paths -> log-prob of token k given < k, [P, L-1].
+
+        Positions past a path's length are garbage (masked by the caller). Used by tests and the
+        per-path training baseline of the bench.
+        """
+        if self.model.config._attn_implementation != "sdpa":  # type: ignore[attr-defined]
+            self.model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        lmax = paths.shape[1]
+        attn = (torch.arange(lmax, device=paths.device)[None, :] < lengths[:, None]).long()
+        hidden = self.decoder(input_ids=paths, attention_mask=attn, use_cache=False).last_hidden_state
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        logp, _ = head_logprobs(self.lm_head, h, paths[:, 1:].reshape(-1), temperature=self.temperature,
+                                chunk_tokens=self.logits_chunk_tokens)
+        return logp.view(paths.shape[0], lmax - 1)
