@@ -1,0 +1,433 @@
+"""Ship a ``MigrationState`` (request, generated tokens, RNG state, per-layer KV) between processes.
+
+Two transports behind one seam, chosen by the receiver's address:
+
+- ``tcp://host:port`` (``TcpTransport``): header and array buffers on one socket, each buffer
+  sent straight from the numpy memory (no pickling, no concatenation copy).
+- ``ucx://host:port/<worker address hex>`` (``UcxTransport``, package ``ucxx``): the same TCP
+  socket carries the header and the acks (it also proves the receiver is alive before UCX
+  touches it); the arrays go as tagged UCX messages to the receiver's worker address. Endpoints
+  made from worker addresses with ``endpoint_error_handling=False`` reach shared memory on one
+  host (~3-4 GiB/s here) and RDMA where the fabric has it; ucxx's listener path would only use TCP.
+
+Wire protocol (one migration per TCP connection; JSON header, raw little-endian arrays)::
+
+    sender ── "GYKV" u32 len, header {mode, tag, request, arrays[{dtype, shape}]} ──▶ receiver
+    sender ◀── u32 len, {"mode": "ucx"|"tcp"} (receives posted / or: send inline) ── receiver
+    sender ── arrays: inline on the socket (tcp) or UCX tag (tag + i) messages ──▶ receiver
+    receiver: on_state(MigrationState) (e.g. engine.import_request)
+    sender ◀── u32 len, {"ok": true, "bytes": n} | {"ok": false, "error": "..."} ── receiver
+
+Fallbacks, each logged and counted in ``gyre_rollout_migration_fallbacks_total``: a UCX receiver
+that cannot start (ucxx missing or failing) is a TCP receiver; a UCX send that cannot import,
+connect or finish resends over TCP to the same receiver (every UCX receiver also takes TCP).
+A state the receiver refuses (``on_state`` raised) is ``StateRejected``, never retried.
+
+Public API: ``make_receiver(kind, on_state) -> address``, ``close_receiver(address)``,
+``send_state(kind, address, state) -> bytes_sent`` and ``send_state_ex`` (also says which
+transport carried it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client import Counter
+
+from services.common.logging import get_logger
+from services.common.metrics import REGISTRY
+from services.rollout.engine import GenRequest, MigrationState, SamplingParams
+
+log = get_logger(__name__)
+
+KINDS = ("ucx", "tcp")
+MAGIC = b"GYKV"
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 16 << 20
+MAX_ARRAYS = 1 << 16
+# A receiver gives up on a transfer that stalls this long (seconds) and drops the connection.
+STALL_TIMEOUT_S = 120.0
+
+FALLBACKS = Counter(
+    "gyre_rollout_migration_fallbacks_total",
+    "KV transport fallbacks (UCX -> TCP), by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+TRANSFER_BYTES = Counter(
+    "gyre_rollout_kv_transfer_bytes_total", "Migration payload bytes sent, by transport.", ["transport"],
+    registry=REGISTRY,
+)
+
+OnState = Callable[[MigrationState], None]
+
+
+class TransportError(ConnectionError):
+    """The state could not be delivered (receiver unreachable, connection broke, bad reply)."""
+
+
+class StateRejected(ValueError):
+    """The receiver got the state but refused it (its ``on_state`` raised)."""
+
+
+@dataclass(frozen=True)
+class SendResult:
+    bytes_sent: int
+    transport: str  # what actually carried the arrays: "ucx" | "tcp"
+    fallback: bool  # UCX was asked for and TCP carried it
+    duration_s: float
+
+
+# --------------------------------------------------------------------------- serialization
+def state_arrays(state: MigrationState) -> list[np.ndarray]:
+    """The state's arrays in wire order: prompt, generated ids, logprobs, rng, then k0, v0, k1, ..."""
+    arrays = [state.request.prompt_ids, state.generated_ids, state.generated_logprobs,
+              np.frombuffer(state.rng_state, dtype=np.uint8)]
+    for k, v in state.kv:
+        arrays += [k, v]
+    return [np.ascontiguousarray(a) for a in arrays]
+
+
+def state_header(state: MigrationState, arrays: list[np.ndarray], *, mode: str, tag: int) -> dict[str, Any]:
+    req, p = state.request, state.request.params
+    return {
+        "v": PROTOCOL_VERSION,
+        "mode": mode,
+        "tag": tag,
+        "request": {
+            "request_id": req.request_id, "execution_id": req.execution_id, "call_id": req.call_id,
+            "agent_id": req.agent_id, "role": req.role,
+            "params": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                       "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids),
+                       "seed": p.seed},
+        },
+        "weight_version": state.weight_version,
+        "kv_dtype": state.kv_dtype,
+        "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape)} for a in arrays],
+    }
+
+
+def empty_arrays(header: dict[str, Any]) -> list[np.ndarray]:
+    """Receive buffers for a header, validated (ValueError on anything malformed)."""
+    specs = header.get("arrays")
+    if not isinstance(specs, list) or not (4 <= len(specs) <= MAX_ARRAYS) or len(specs) % 2:
+        raise ValueError("header arrays must list prompt, generated ids, logprobs, rng and k/v pairs")
+    out = []
+    for spec in specs:
+        dtype = np.dtype(spec["dtype"])
+        if dtype.hasobject:
+            raise ValueError("object arrays are not accepted")
+        shape = tuple(int(d) for d in spec["shape"])
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative array dimension in {shape}")
+        out.append(np.empty(shape, dtype=dtype))
+    return out
+
+
+def build_state(header: dict[str, Any], arrays: list[np.ndarray]) -> MigrationState:
+    r = header["request"]
+    params = SamplingParams(
+        temperature=float(r["params"]["temperature"]), top_p=float(r["params"]["top_p"]),
+        top_k=int(r["params"]["top_k"]), max_new_tokens=int(r["params"]["max_new_tokens"]),
+        stop_token_ids=tuple(int(t) for t in r["params"]["stop_token_ids"]),
+        seed=None if r["params"]["seed"] is None else int(r["params"]["seed"]),
+    )
+    req = GenRequest(request_id=str(r["request_id"]), prompt_ids=arrays[0], params=params,
+                     execution_id=str(r["execution_id"]), call_id=str(r["call_id"]),
+                     agent_id=str(r["agent_id"]), role=str(r["role"]))
+    kv = [(arrays[i], arrays[i + 1]) for i in range(4, len(arrays), 2)]
+    return MigrationState(request=req, generated_ids=arrays[1], generated_logprobs=arrays[2],
+                          rng_state=arrays[3].tobytes(), weight_version=int(header["weight_version"]),
+                          kv=kv, kv_dtype=str(header["kv_dtype"]))
+
+
+# --------------------------------------------------------------------------- socket helpers
+def _send_msg(sock: socket.socket, obj: dict[str, Any], magic: bytes = b"") -> None:
+    body = json.dumps(obj).encode()
+    sock.sendall(magic + struct.pack("<I", len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise TransportError("connection closed mid-message")
+        got += n
+
+
+def _recv_msg(sock: socket.socket, magic: bytes = b"") -> dict[str, Any]:
+    if magic and _recv_exact(sock, len(magic)) != magic:
+        raise TransportError("peer is not a Gyre KV transport (bad magic)")
+    (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+    if n > MAX_HEADER_BYTES:
+        raise TransportError(f"message of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte header limit")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _byte_view(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+
+
+# --------------------------------------------------------------------------- UCX runtime
+class _Ucx:
+    """Process-wide ucxx context driven by one asyncio loop thread (ucxx is asyncio-based)."""
+
+    _instance: _Ucx | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx  # may raise ImportError: callers fall back to TCP
+
+        self.ucxx = ucxx
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="ucxx-loop", daemon=True)
+        self._thread.start()
+        self._endpoints: dict[bytes, Any] = {}
+        self.worker_address: bytes = self.call(self._init(), timeout_s=30)
+
+    @classmethod
+    def get(cls) -> _Ucx:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    async def _init(self) -> bytes:
+        self.ucxx.init(progress_mode="thread")
+        return bytes(self.ucxx.get_worker_address())
+
+    def call(self, coro: Any, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout_s)
+
+    async def _endpoint(self, address: bytes) -> Any:
+        ep = self._endpoints.get(address)
+        if ep is None or ep.closed:
+            ep = await self.ucxx.create_endpoint_from_worker_address(
+                self.ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False)
+            self._endpoints[address] = ep
+        return ep
+
+    async def send(self, address: bytes, arrays: list[np.ndarray], tag: int) -> None:
+        ep = await self._endpoint(address)
+        await asyncio.gather(*(ep.send(a, tag=tag + i, force_tag=True)
+                               for i, a in enumerate(arrays) if a.nbytes))
+
+    async def recv(self, arrays: list[np.ndarray], tag: int) -> None:
+        await asyncio.gather(*(self.ucxx.recv(a, tag=tag + i) for i, a in enumerate(arrays) if a.nbytes))
+
+
+# --------------------------------------------------------------------------- receiver
+class Receiver:
+    """Accepts migrations on a TCP port (and a UCX worker for kind "ucx"); calls ``on_state``.
+
+    Lifecycle: Receiver(kind, on_state) -> .address handed to senders -> close(). Each connection
+    is served by its own thread, so a slow import never blocks another transfer.
+    """
+
+    def __init__(self, kind: str, on_state: OnState, *, host: str = "127.0.0.1") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"KV transport kind must be one of {KINDS}, got {kind!r}")
+        self.on_state = on_state
+        self._ucx: _Ucx | None = None
+        if kind == "ucx":
+            try:
+                self._ucx = _Ucx.get()
+            except Exception as exc:  # deliberate fallback: a TCP receiver still works
+                FALLBACKS.labels("ucx_receiver_unavailable").inc()
+                log.warning("ucx receiver unavailable; serving TCP", error=f"{type(exc).__name__}: {exc}")
+        self._sock = socket.create_server((host, 0))
+        port = self._sock.getsockname()[1]
+        self.kind = "ucx" if self._ucx else "tcp"
+        self.address = (f"ucx://{host}:{port}/{self._ucx.worker_address.hex()}" if self._ucx
+                        else f"tcp://{host}:{port}")
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kv-recv-{port}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            _tune(conn)
+            conn.settimeout(STALL_TIMEOUT_S)
+            try:
+                header = _recv_msg(conn, MAGIC)
+                if header.get("v") != PROTOCOL_VERSION:
+                    raise ValueError(f"protocol version {header.get('v')} != {PROTOCOL_VERSION}")
+                arrays = empty_arrays(header)
+            except (TransportError, OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("kv header rejected", error=str(exc))
+                return
+            mode = "ucx" if header.get("mode") == "ucx" and self._ucx is not None else "tcp"
+            try:
+                recv_future = None
+                if mode == "ucx":
+                    assert self._ucx is not None
+                    recv_future = asyncio.run_coroutine_threadsafe(
+                        self._ucx.recv(arrays, int(header["tag"])), self._ucx.loop)
+                _send_msg(conn, {"mode": mode})
+                if recv_future is not None:
+                    recv_future.result(timeout=STALL_TIMEOUT_S)
+                else:
+                    for a in arrays:
+                        _recv_into(conn, _byte_view(a))
+            except Exception as exc:  # transfer broke: the sender sees the closed socket and retries
+                log.warning("kv transfer failed", mode=mode, error=f"{type(exc).__name__}: {exc}")
+                return
+            nbytes = sum(a.nbytes for a in arrays)
+            try:
+                state = build_state(header, arrays)
+                self.on_state(state)
+                reply: dict[str, Any] = {"ok": True, "bytes": nbytes}
+            except Exception as exc:  # deliberate: report the refusal to the sender
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            try:
+                _send_msg(conn, reply)
+            except OSError as exc:
+                log.warning("kv ack lost", error=str(exc))
+
+
+_RECEIVERS: dict[str, Receiver] = {}
+_RECEIVERS_LOCK = threading.Lock()
+
+
+def make_receiver(kind: str, on_state: OnState, *, host: str = "127.0.0.1") -> str:
+    """Start a receiver for ``kind`` ("ucx" | "tcp"); returns the address senders use.
+
+    ``kind="ucx"`` without a working ucxx serves TCP (logged, counted): the address then starts
+    with ``tcp://``. Close with ``close_receiver(address)``.
+    """
+    recv = Receiver(kind, on_state, host=host)
+    with _RECEIVERS_LOCK:
+        _RECEIVERS[recv.address] = recv
+    return recv.address
+
+
+def close_receiver(address: str) -> None:
+    with _RECEIVERS_LOCK:
+        recv = _RECEIVERS.pop(address, None)
+    if recv is not None:
+        recv.close()
+
+
+# --------------------------------------------------------------------------- sender
+def parse_address(address: str) -> tuple[str, str, int, bytes]:
+    """``(scheme, host, port, ucx worker address)``; ValueError on a malformed address."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in KINDS:
+        raise ValueError(f"KV receiver address must start with ucx:// or tcp://, got {address!r}")
+    hostport, _, worker_hex = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"KV receiver address {address!r} lacks host:port")
+    worker = bytes.fromhex(worker_hex) if worker_hex else b""
+    if scheme == "ucx" and not worker:
+        raise ValueError(f"ucx address {address!r} lacks the worker address")
+    return scheme, host, int(port), worker
+
+
+def send_state(kind: str, address: str, state: MigrationState, *, timeout_s: float = STALL_TIMEOUT_S) -> int:
+    """Deliver ``state`` to the receiver at ``address``; returns payload bytes sent.
+
+    ``kind`` is the transport asked for ("ucx" | "tcp"); UCX falls back to TCP (logged, counted).
+    Raises ``TransportError`` when it could not be delivered, ``StateRejected`` when refused.
+    """
+    return send_state_ex(kind, address, state, timeout_s=timeout_s).bytes_sent
+
+
+def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: float = STALL_TIMEOUT_S) -> SendResult:
+    """Like ``send_state``, also reporting the transport that carried the arrays."""
+    if kind not in KINDS:
+        raise ValueError(f"KV transport kind must be one of {KINDS}, got {kind!r}")
+    scheme, host, port, worker = parse_address(address)
+    t0 = time.perf_counter()
+    arrays = state_arrays(state)
+    if kind == "ucx" and scheme == "ucx":
+        ucx: _Ucx | None = None
+        try:
+            ucx = _Ucx.get()
+        except Exception as exc:  # deliberate fallback
+            FALLBACKS.labels("ucx_sender_unavailable").inc()
+            log.warning("ucx unavailable here; sending over TCP", error=f"{type(exc).__name__}: {exc}")
+        if ucx is not None:
+            try:
+                n, used = _send(host, port, state, arrays, ucx, worker, timeout_s)
+            except (TransportError, OSError, TimeoutError) as exc:
+                FALLBACKS.labels("ucx_send_failed").inc()
+                log.warning("ucx send failed; resending over TCP", error=f"{type(exc).__name__}: {exc}")
+            else:
+                if used != "ucx":
+                    FALLBACKS.labels("ucx_refused_by_receiver").inc()
+                return SendResult(n, used, used != "ucx", time.perf_counter() - t0)
+        n, used = _send(host, port, state, arrays, None, b"", timeout_s)
+        return SendResult(n, used, True, time.perf_counter() - t0)
+    n, used = _send(host, port, state, arrays, None, b"", timeout_s)
+    return SendResult(n, used, False, time.perf_counter() - t0)
+
+
+def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray], ucx: _Ucx | None,
+          worker: bytes, timeout_s: float) -> tuple[int, str]:
+    tag = secrets.randbits(47) << 16
+    header = state_header(state, arrays, mode="ucx" if ucx else "tcp", tag=tag)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise TransportError(f"KV receiver {host}:{port} unreachable: {exc}") from exc
+    with sock:
+        _tune(sock)
+        try:
+            _send_msg(sock, header, MAGIC)
+            mode = _recv_msg(sock).get("mode")
+            if mode == "ucx":
+                assert ucx is not None
+                ucx.call(ucx.send(worker, arrays, tag), timeout_s)
+            else:
+                for a in arrays:
+                    sock.sendall(_byte_view(a))
+            reply = _recv_msg(sock)
+        except (OSError, TransportError, json.JSONDecodeError) as exc:
+            raise TransportError(f"KV transfer to {host}:{port} failed: {type(exc).__name__}: {exc}") from exc
+    if not reply.get("ok"):
+        raise StateRejected(f"receiver refused the state: {reply.get('error')}")
+    nbytes = int(reply["bytes"])
+    TRANSFER_BYTES.labels(str(mode)).inc(nbytes)
+    return nbytes, str(mode)

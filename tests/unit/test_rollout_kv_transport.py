@@ -1,0 +1,134 @@
+"""KV transport: a MigrationState crosses two real processes (UCX and TCP) and comes back bit-exact."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.rollout import kv_transport
+from services.rollout.engine import GenRequest, MigrationState, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _state(layers: int = 3, tokens: int = 700, kv_dtype: str = "float32") -> MigrationState:
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 1000, 500).astype(np.int32)
+    gen = rng.integers(0, 1000, tokens - 500 + 1).astype(np.int32)
+    req = GenRequest("req-1", prompt, SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=900,
+                                                      stop_token_ids=(3, 5), seed=2**63 + 11),
+                     execution_id="ex", call_id="c1", agent_id="a", role="subagent")
+    if kv_dtype == "bfloat16":
+        kv = [(rng.integers(0, 2**16, (2, tokens, 32)).astype(np.uint16),
+               rng.integers(0, 2**16, (2, tokens, 32)).astype(np.uint16)) for _ in range(layers)]
+    else:
+        kv = [(rng.standard_normal((2, tokens, 32), dtype=np.float32),
+               rng.standard_normal((2, tokens, 32), dtype=np.float32)) for _ in range(layers)]
+    return MigrationState(request=req, generated_ids=gen, generated_logprobs=-rng.random(len(gen), dtype=np.float32),
+                          rng_state=b"GYR1" + bytes(range(16)), weight_version=4, kv=kv, kv_dtype=kv_dtype)
+
+
+def _assert_same(a: MigrationState, b: MigrationState) -> None:
+    assert a.request.request_id == b.request.request_id
+    assert a.request.params == b.request.params
+    assert (a.request.execution_id, a.request.call_id, a.request.agent_id, a.request.role) == (
+        b.request.execution_id, b.request.call_id, b.request.agent_id, b.request.role)
+    np.testing.assert_array_equal(a.request.prompt_ids, b.request.prompt_ids)
+    np.testing.assert_array_equal(a.generated_ids, b.generated_ids)
+    np.testing.assert_array_equal(a.generated_logprobs, b.generated_logprobs)
+    assert a.rng_state == b.rng_state and a.weight_version == b.weight_version and a.kv_dtype == b.kv_dtype
+    assert len(a.kv) == len(b.kv)
+    for (ka, va), (kb, vb) in zip(a.kv, b.kv):
+        assert ka.dtype == kb.dtype and ka.shape == kb.shape
+        np.testing.assert_array_equal(ka, kb)
+        np.testing.assert_array_equal(va, vb)
+
+
+def _round_trip(kind: str, state: MigrationState) -> tuple[MigrationState, kv_transport.SendResult]:
+    got: queue.Queue[MigrationState] = queue.Queue()
+    mine = kv_transport.make_receiver(kind, got.put)
+    assert mine.startswith(f"{kind}://")
+    peer = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", kind, mine], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        address = peer.stdout.readline().strip()
+        assert address.startswith(f"{kind}://"), address
+        result = kv_transport.send_state_ex(kind, address, state)
+        back = got.get(timeout=120)
+        assert peer.wait(timeout=60) == 0
+        echoed = peer.stdout.read()
+        assert f"echoed {state.nbytes()} {kind}" in echoed
+    finally:
+        peer.kill()
+        kv_transport.close_receiver(mine)
+    return back, result
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ucx"])
+def test_state_round_trips_between_processes(kind: str) -> None:
+    if kind == "ucx":
+        pytest.importorskip("ucxx")
+    state = _state()
+    back, result = _round_trip(kind, state)
+    assert result.transport == kind and not result.fallback
+    assert result.bytes_sent == state.nbytes()
+    _assert_same(state, back)
+
+
+def test_bfloat16_kv_and_empty_kv_round_trip_over_tcp() -> None:
+    state = _state(kv_dtype="bfloat16")
+    back, _ = _round_trip("tcp", state)
+    _assert_same(state, back)
+    bare = _state()
+    bare.kv = []
+    back, _ = _round_trip("tcp", bare)
+    _assert_same(bare, back)
+
+
+def test_ucx_request_to_tcp_receiver_falls_back_and_counts() -> None:
+    got: queue.Queue[MigrationState] = queue.Queue()
+    address = kv_transport.make_receiver("tcp", got.put)
+    before = kv_transport.FALLBACKS.labels("ucx_send_failed")._value.get()
+    try:
+        # a ucx:// address whose worker blob is garbage: the UCX path fails, TCP carries it
+        port = address.rsplit(":", 1)[1]
+        bogus = f"ucx://127.0.0.1:{port}/00ff"
+        result = kv_transport.send_state_ex("ucx", bogus, _state(layers=1, tokens=600))
+    finally:
+        kv_transport.close_receiver(address)
+    assert result.transport == "tcp" and result.fallback
+    _assert_same(_state(layers=1, tokens=600), got.get(timeout=10))
+    after = kv_transport.FALLBACKS.labels("ucx_send_failed")._value.get()
+    refused = kv_transport.FALLBACKS.labels("ucx_refused_by_receiver")._value.get()
+    assert after + refused > before
+
+
+def test_refused_state_raises_and_dead_receiver_is_transport_error() -> None:
+    def refuse(_state: MigrationState) -> None:
+        raise ValueError("kv layers do not match this model")
+
+    address = kv_transport.make_receiver("tcp", refuse)
+    try:
+        with pytest.raises(kv_transport.StateRejected, match="do not match"):
+            kv_transport.send_state("tcp", address, _state(layers=1, tokens=600))
+    finally:
+        kv_transport.close_receiver(address)
+    with pytest.raises(kv_transport.TransportError):
+        kv_transport.send_state("tcp", address, _state(layers=1, tokens=600))
+
+
+def test_bad_addresses_and_kinds() -> None:
+    with pytest.raises(ValueError):
+        kv_transport.parse_address("http://x:1")
+    with pytest.raises(ValueError):
+        kv_transport.parse_address("ucx://127.0.0.1:5")
+    with pytest.raises(ValueError):
+        kv_transport.send_state("rdma", "tcp://127.0.0.1:1", _state(layers=1, tokens=600))
+    with pytest.raises(ValueError):
+        kv_transport.make_receiver("rdma", lambda s: None)
