@@ -19,19 +19,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from services.scheduler.policy import Mode, PolicyParams, Role
+
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MAX_STEP_SIZE = 100_000
 MAX_STEPS = 1_000_000
 MAX_PAYLOAD_BYTES = 64 * 1024  # task payloads are references/small specs; large data goes to the spool
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
-
-
-class Mode(str, Enum):
-    """How the pool of cells shares rollout and training (same values as ``policy.Mode``)."""
-
-    COLOCATE = "colocate"
-    ASYNC = "async"
-    ELASTIC = "elastic"
 
 
 class TimeoutPolicy(str, Enum):
@@ -85,15 +79,6 @@ class EventKind(str, Enum):
     METRICS = "metrics"  # periodic snapshot: queued, running, done_in_step, rollout_cells, train_cells
 
 
-class CellRole(str, Enum):
-    """Role recorded in the registry (``policy.Role`` has the same values plus ``idle``)."""
-
-    ROLLOUT = "rollout"
-    TRAIN = "train"
-    SWITCHING = "switching"
-    IDLE = "idle"
-
-
 def check_id(value: str, what: str) -> str:
     """Validate an id used in Redis key names; returns it."""
     if not ID_RE.match(value):
@@ -142,6 +127,11 @@ class JobSpec:
     cell_ids: tuple[str, ...] = ()  # empty: every registered cell
     algorithm: tuple[tuple[str, str], ...] = ()  # opaque to the scheduler; passed to the trainer
     max_attempts: int = 3  # leases that may expire before the execution is marked failed
+    # policy knobs (see ``policy.PolicyParams``)
+    async_rollout_cells: int | None = None
+    min_rollout_cells: int = 1
+    consolidate_threshold: float = 1.0
+    execution_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_id(self.job_id, "job_id")
@@ -179,6 +169,13 @@ class JobSpec:
         for key, _ in self.algorithm:
             if not key:
                 raise ValueError("algorithm parameter names must be non-empty")
+        self.policy_params()  # the policy validates its own knobs
+
+    def policy_params(self) -> PolicyParams:
+        return PolicyParams(mode=self.mode, staleness_bound=self.staleness_bound,
+                            async_rollout_cells=self.async_rollout_cells, min_rollout_cells=self.min_rollout_cells,
+                            consolidate_threshold=self.consolidate_threshold,
+                            execution_kv_tokens=self.execution_kv_tokens)
 
     @property
     def step_size(self) -> int:
@@ -205,6 +202,10 @@ class JobSpec:
                 "cell_ids": list(self.cell_ids),
                 "algorithm": [list(kv) for kv in self.algorithm],
                 "max_attempts": self.max_attempts,
+                "async_rollout_cells": self.async_rollout_cells,
+                "min_rollout_cells": self.min_rollout_cells,
+                "consolidate_threshold": self.consolidate_threshold,
+                "execution_kv_tokens": self.execution_kv_tokens,
             },
             sort_keys=True,
         )
@@ -231,6 +232,10 @@ class JobSpec:
             cell_ids=tuple(d["cell_ids"]),
             algorithm=tuple((k, v) for k, v in d["algorithm"]),
             max_attempts=d["max_attempts"],
+            async_rollout_cells=d["async_rollout_cells"],
+            min_rollout_cells=d["min_rollout_cells"],
+            consolidate_threshold=d["consolidate_threshold"],
+            execution_kv_tokens=d["execution_kv_tokens"],
         )
 
 
@@ -295,7 +300,7 @@ class CellRecord:
     cell_id: str
     address: str
     host: str
-    role: CellRole
+    role: Role
     is_core: bool
     kv_capacity_tokens: int
     kv_used_tokens: int
@@ -303,13 +308,15 @@ class CellRecord:
     weight_version: int
     heartbeat_s: float
     registered_s: float
-    reported_role: CellRole | None = None  # what the cell itself last said it runs
+    reported_role: Role | None = None  # what the cell itself last said it runs
     switch_id: str = ""
-    switch_from: CellRole | None = None
-    switch_to: CellRole | None = None
+    switch_from: Role | None = None
+    switch_to: Role | None = None
     switch_started_s: float = 0.0
     switch_job_id: str = ""
+    switch_migrate_to: tuple[str, ...] = ()  # rollout cells receiving its in-flight executions
     last_switch_s: float = 0.0  # duration of the last completed switch
+    num_accelerators: int = 1
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""Implementations of the orchestrator's ``CellActuator`` seam (how a role switch is carried out).
+
+``ServicesActuator`` - the deployment path, through the other services::
+
+    ROLLOUT -> TRAIN   gateway.DrainEngine(cell)      in-flight requests migrate (with KV) to the
+                                                      remaining engines; the engine leaves routing
+                       trainer.AddReplica(cell)       a replica starts there and joins the running step
+    TRAIN -> ROLLOUT   trainer.ReleaseReplica(cell)   returns after the step's update (replica gone)
+                       gateway.RegisterEngine(cell)   the engine (at the cell's address) is routable again
+
+``AgentActuator`` - each cell runs a ``CellAgent`` (``cell_agent.py``) that owns the cell's role
+process. A busy ROLLOUT cell is drained through the gateway first (when one is configured; without
+one a busy cell is refused, since nothing could migrate its work), then the agent switches.
+
+Both are idempotent per switch id (the trainer and the agent take it as an idempotency key; a
+drain of an engine that is already gone is a no-op), as the orchestrator requires: after a crash
+it carries the same switch out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from services.common.logging import get_logger
+from services.rollout.client import GatewayClient
+from services.scheduler.client import CellAgentClient, TrainerMembershipClient
+from services.scheduler.jobs import CellRecord, JobStatus, Role
+
+log = get_logger(__name__)
+
+
+def _drain(gateway: GatewayClient, cell: CellRecord) -> None:
+    try:
+        reports = gateway.drain_engine(cell.cell_id)
+    except NotFound:  # already drained and deregistered (a repeated switch)
+        return
+    failed = [r for r in reports if not r.ok]
+    if failed:
+        raise Unavailable(f"draining {cell.cell_id}: {len(failed)} of {len(reports)} requests failed to migrate")
+    log.info("engine drained", cell_id=cell.cell_id, migrated=len(reports))
+
+
+class ServicesActuator:
+    def __init__(self, *, gateway_address: str, trainer_address: str, timeout_s: float = 600.0) -> None:
+        if not gateway_address or not trainer_address:
+            raise ValueError("the 'services' actuator needs gateway_address and trainer_address "
+                             "(or use actuator = 'agent')")
+        self.gateway = GatewayClient(gateway_address, timeout_s=timeout_s)
+        self.trainer = TrainerMembershipClient(trainer_address, timeout_s=timeout_s)
+        self.timeout_s = timeout_s
+
+    def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
+               migrate_to: Sequence[CellRecord]) -> None:
+        if from_role is Role.ROLLOUT:
+            _drain(self.gateway, cell)
+        elif from_role is Role.TRAIN:
+            if not self.trainer.release_replica(cell.cell_id, wait_s=self.timeout_s):
+                raise Unavailable(f"the trainer did not release {cell.cell_id} within {self.timeout_s:.0f}s")
+        if to_role is Role.TRAIN:
+            self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0))
+        elif to_role is Role.ROLLOUT:
+            try:
+                self.gateway.register_engine(cell.cell_id, cell.address)
+            except AlreadyExists:
+                pass
+
+    def close(self) -> None:
+        self.gateway.close()
+        self.trainer.close()
+
+
+class AgentActuator:
+    def __init__(self, *, gateway_address: str = "", timeout_s: float = 600.0) -> None:
+        self.gateway = GatewayClient(gateway_address, timeout_s=timeout_s) if gateway_address else None
+        self.timeout_s = timeout_s
+
+    def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
+               migrate_to: Sequence[CellRecord]) -> None:
+        if from_role is Role.ROLLOUT:
+            if self.gateway is not None:
+                _drain(self.gateway, cell)
+            elif cell.inflight > 0:
+                raise FailedPrecondition(f"{cell.cell_id} hosts {cell.inflight} executions and no gateway is "
+                                         f"configured to migrate them; refusing to interrupt them")
+        with CellAgentClient(cell.address, timeout_s=self.timeout_s) as agent:
+            role, took = agent.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id, job_id=job.job_id,
+                                        step=job.current_step, weight_version=job.weight_version)
+        if role is not to_role:
+            raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
+        log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.close()

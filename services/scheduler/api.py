@@ -1,0 +1,237 @@
+"""The scheduler's request handling, free of gRPC: what each RPC does to the Redis state.
+
+``servicer.py`` converts protos to the domain types and calls ``SchedulerApi``; errors raised here
+(``services.common.errors`` or ``ValueError``) become gRPC statuses in the server interceptor.
+Every method validates its input first, so a bad request never reaches Redis.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.logging import get_logger
+from services.common.metrics import REGISTRY
+from services.scheduler.jobs import (
+    CellRecord,
+    Event,
+    ExecState,
+    ExecutionRecord,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Lease,
+    Role,
+    check_id,
+)
+from services.scheduler.state import CompleteResult, SchedulerState
+from services.scheduler.tasks import validate_task_source
+
+log = get_logger(__name__)
+
+LEASES = Counter("gyre_scheduler_leases_total", "Executions leased to harnesses.", registry=REGISTRY)
+COMPLETIONS = Counter("gyre_scheduler_completions_total", "Executions completed, by status (duplicates apart).",
+                      ["status"], registry=REGISTRY)
+
+EVENT_ID_RE = re.compile(r"^\d{1,20}-\d{1,20}$")
+MAX_WAIT_S = 60.0
+MAX_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class CellInfo:
+    cell: CellRecord
+    heartbeat_age_s: float
+    alive: bool
+
+
+def _require(value: str, what: str, max_len: int = 256) -> str:
+    if not value:
+        raise InvalidArgument(f"{what} is required")
+    if len(value) > max_len:
+        raise InvalidArgument(f"{what} is longer than {max_len} characters")
+    return value
+
+
+class SchedulerApi:
+    """Jobs, leases and cells over ``SchedulerState``. Stateless itself: any number may serve one Redis."""
+
+    def __init__(self, state: SchedulerState, *, lease_ttl_s: float, cell_dead_after_s: float,
+                 poll_s: float = 0.05, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.state = state
+        self.lease_ttl_s = lease_ttl_s
+        self.cell_dead_after_s = cell_dead_after_s
+        self.poll_s = poll_s
+        self.sleep = sleep
+
+    # ---------------------------------------------------------------- jobs
+
+    def new_job_id(self) -> str:
+        return time.strftime("job-%Y%m%d-%H%M%S-", time.gmtime(self.state.clock())) + secrets.token_hex(3)
+
+    def submit_job(self, spec: JobSpec) -> JobStatus:
+        validate_task_source(spec)
+        job = self.state.submit_job(spec)
+        log.info("job submitted", job_id=spec.job_id, mode=spec.mode.value, steps=spec.num_steps,
+                 step_size=spec.step_size)
+        return job
+
+    def get_job(self, job_id: str) -> JobStatus:
+        return self.state.get_job(check_id(_require(job_id, "job_id"), "job_id"))
+
+    def list_jobs(self, states: Iterable[JobState], page_size: int, page_token: str) -> tuple[list[JobStatus], str]:
+        if not 0 <= page_size <= MAX_PAGE:
+            raise InvalidArgument(f"page_size is {page_size}; expected 0..{MAX_PAGE} (0: 100)")
+        limit = page_size or 100
+        if page_token and not page_token.isdigit():
+            raise InvalidArgument(f"page_token {page_token[:40]!r} is not one this scheduler issued")
+        offset = int(page_token or 0)
+        wanted = list(states)
+        if wanted:
+            # filtered pages: the token is an index offset, so scan and remember where we stopped
+            jobs, stop = self._scan_filtered(set(wanted), offset, limit)
+            return jobs, (str(stop) if stop is not None else "")
+        jobs = self.state.list_jobs(offset=offset, limit=limit + 1)
+        more = len(jobs) > limit
+        return jobs[:limit], (str(offset + limit) if more else "")
+
+    def _scan_filtered(self, wanted: set[JobState], offset: int, limit: int) -> tuple[list[JobStatus], int | None]:
+        out: list[JobStatus] = []
+        pos = offset
+        while True:
+            batch = self.state.list_jobs(offset=pos, limit=200)
+            if not batch:
+                return out, None
+            for i, job in enumerate(batch):
+                if job.state in wanted:
+                    if len(out) == limit:
+                        return out, pos + i
+                    out.append(job)
+            pos += len(batch)
+
+    def cancel_job(self, job_id: str, reason: str) -> tuple[JobStatus, int]:
+        self.get_job(job_id)
+        dropped = self.state.cancel_job(job_id, reason or "cancelled by client")
+        log.info("job cancelled", job_id=job_id, dropped_queued=dropped)
+        return self.state.get_job(job_id), dropped
+
+    def watch(self, job_id: str, after_event_id: str, follow: bool, active: Callable[[], bool]) -> Iterator[Event]:
+        """The job's events after ``after_event_id``; with ``follow`` until the job ended."""
+        self.get_job(job_id)
+        if after_event_id and not EVENT_ID_RE.match(after_event_id):
+            raise InvalidArgument(f"after_event_id {after_event_id[:40]!r} is not an event id like '1700000000000-0'")
+        last = after_event_id or "0-0"
+        while active():
+            events = self.state.read_events(job_id, last, block_ms=500 if follow else None)
+            for e in events:
+                yield e
+                last = e.event_id
+            if events:
+                continue
+            if not follow or self.state.get_job(job_id).state.terminal:
+                for e in self.state.read_events(job_id, last, count=10_000):  # logged while we checked
+                    yield e
+                return
+
+    def report_training(self, job_id: str, step: int, phase: str, weight_version: int) -> tuple[JobStatus, bool]:
+        self.get_job(job_id)
+        if step < 0:
+            raise InvalidArgument(f"step is {step}; expected >= 0")
+        applied = self.state.report_training(job_id, step, phase, weight_version)
+        log.info("training reported", job_id=job_id, step=step, phase=phase, weight_version=weight_version,
+                 duplicate=not applied)
+        return self.state.get_job(job_id), not applied
+
+    def get_execution(self, execution_id: str) -> ExecutionRecord:
+        return self.state.execution(_require(execution_id, "execution_id"))
+
+    # ---------------------------------------------------------------- worker API
+
+    def lease(self, worker_id: str, job_id: str, wait_s: float) -> Lease | None:
+        """Lease an execution (of ``job_id``, or of any running job), waiting up to ``wait_s``."""
+        _require(worker_id, "worker_id")
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise InvalidArgument(f"wait_s is {wait_s}; expected 0..{MAX_WAIT_S:.0f} seconds")
+        if job_id:
+            job = self.get_job(job_id)
+            if job.state.terminal:
+                raise FailedPrecondition(f"job {job_id!r} is {job.state.value}; it has no more executions")
+        deadline = time.monotonic() + wait_s
+        pause = self.poll_s
+        while True:
+            lease = self.state.lease([job_id] if job_id else self.state.active_job_ids(), worker_id,
+                                     self.lease_ttl_s)
+            if lease is not None:
+                LEASES.inc()
+                log.debug("leased", job_id=lease.job_id, execution_id=lease.execution_id, attempt=lease.attempt,
+                          worker_id=worker_id)
+                return lease
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+    def heartbeat(self, execution_id: str, lease_token: str) -> tuple[float, float, bool]:
+        _require(execution_id, "execution_id")
+        _require(lease_token, "lease_token")
+        return self.state.heartbeat(execution_id, lease_token, self.lease_ttl_s)
+
+    def complete(self, execution_id: str, lease_token: str, status: ExecState, reason: str) -> CompleteResult:
+        _require(execution_id, "execution_id")
+        _require(lease_token, "lease_token")
+        if len(reason) > 4096:
+            raise InvalidArgument("reason is longer than 4096 characters")
+        res = self.state.complete(execution_id, lease_token, status, reason)
+        if not res.duplicate:
+            COMPLETIONS.labels(status.value).inc()
+        log.debug("completed", execution_id=execution_id, status=status.value, duplicate=res.duplicate)
+        return res
+
+    # ---------------------------------------------------------------- cells
+
+    def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
+                      kv_capacity_tokens: int, num_accelerators: int) -> tuple[CellRecord, bool]:
+        check_id(_require(cell_id, "cell_id"), "cell_id")
+        _require(address, "address")
+        if ":" not in address:
+            raise InvalidArgument(f"address {address!r} must be host:port")
+        if kv_capacity_tokens < 0 or num_accelerators < 0:
+            raise InvalidArgument("kv_capacity_tokens and num_accelerators must be >= 0")
+        created = self.state.register_cell(cell_id=cell_id, address=address, host=host, role=role, is_core=is_core,
+                                           kv_capacity_tokens=kv_capacity_tokens,
+                                           num_accelerators=max(num_accelerators, 1))
+        log.info("cell registered", cell_id=cell_id, address=address, role=role.value, core=is_core, new=created)
+        return self.state.get_cell(cell_id), created
+
+    def cell_heartbeat(self, *, cell_id: str, inflight: int, kv_used_tokens: int, kv_capacity_tokens: int,
+                       weight_version: int, role: Role) -> tuple[Role, Role | None]:
+        check_id(_require(cell_id, "cell_id"), "cell_id")
+        if min(inflight, kv_used_tokens, kv_capacity_tokens, weight_version) < 0:
+            raise InvalidArgument("inflight, kv tokens and weight_version must be >= 0")
+        if role is Role.SWITCHING:
+            raise InvalidArgument("a cell reports the role it runs (rollout, train or idle), not switching")
+        return self.state.cell_heartbeat(cell_id, inflight=inflight, kv_used_tokens=kv_used_tokens,
+                                         kv_capacity_tokens=kv_capacity_tokens, weight_version=weight_version,
+                                         reported_role=role)
+
+    def deregister_cell(self, cell_id: str) -> Role:
+        check_id(_require(cell_id, "cell_id"), "cell_id")
+        role = self.state.deregister_cell(cell_id)
+        log.info("cell deregistered", cell_id=cell_id)
+        return role
+
+    def list_cells(self) -> list[CellInfo]:
+        now = self.state.clock()
+        out = []
+        for c in self.state.list_cells():
+            age = max(0.0, now - c.heartbeat_s)
+            out.append(CellInfo(c, age, age <= self.cell_dead_after_s))
+        return out
+

@@ -1,0 +1,109 @@
+"""The physical lower bound on a trace's makespan: max(total work / cells, longest dependent chain).
+
+No schedule of any mode can beat it under the cost model (switches, migrations and weight sync
+are free here, which only lowers it). Executions with a ``timeout_s`` may stop early, by an amount
+that depends on the schedule, so their work and tokens are left out (their latency still counts,
+capped at the deadline).
+
+Work. Rollout occupies KV slots: an execution holds one slot through its model calls and its
+tool time. A cell with ``n`` active calls and ``m`` executions in tool time (``n + m <= slots``)
+does ``n * speed(n)`` solo-seconds of model work and ``m`` seconds of tool time per second. The
+fewest cell-seconds that cover all model work M and all tool time V is a two-constraint linear
+program over such (n, m) configurations, solved exactly (optimum mixes two configurations).
+Training needs ``tokens / train_tok_s`` cell-seconds. Work bound = (rollout + train) / cells.
+
+Chain. Update ``s`` (done at ``D_s``) needs: update ``s-1`` (its weights), then all of step ``s``'s
+tokens trained on at most every cell; and step ``s``'s longest execution, which cannot start
+before weights ``s - k`` exist (``D_{s-k-1}``, k = staleness bound) and runs at least its solo
+latency, after which its whole group (advantages are group-relative) must still be trained::
+
+    D_s = max(D_{s-1} + W_s, max(D_{s-1}, D_{s-k-1} + Lmax_s) + G_s) + publish_s
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.cost_model import CostModel
+from services.scheduler.traces import TraceExecution
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    lower_bound_s: float
+    work_bound_s: float
+    chain_bound_s: float
+    rollout_cell_s: float
+    train_cell_s: float
+
+
+def rollout_cell_seconds(model_work_s: float, env_s: float, cost: CostModel) -> float:
+    """Fewest cell-seconds that deliver ``model_work_s`` solo-seconds and ``env_s`` slot-seconds."""
+    if model_work_s <= 0 and env_s <= 0:
+        return 0.0
+    slots = cost.slots
+    n = np.arange(slots + 1)
+    work_rate = np.array([k * cost.speed(int(k)) if k else 0.0 for k in n])  # solo-s per cell-s
+    env_rate = (slots - n).astype(float)  # tool slot-s per cell-s with every other slot in tool time
+    best = np.inf
+    for i in range(slots + 1):
+        for j in range(i, slots + 1):
+            # Mix p of config i and 1-p of config j; T(p) = max(M / a(p), V / b(p)).
+            a_i, a_j, b_i, b_j = work_rate[i], work_rate[j], env_rate[i], env_rate[j]
+            candidates = [0.0, 1.0]
+            # Both constraints tight: M * b(p) = V * a(p), linear in p.
+            denom = model_work_s * (b_i - b_j) - env_s * (a_i - a_j)
+            if denom != 0:
+                p = (env_s * a_j - model_work_s * b_j) / denom
+                if 0.0 < p < 1.0:
+                    candidates.append(p)
+            for p in candidates:
+                a = p * a_i + (1 - p) * a_j
+                b = p * b_i + (1 - p) * b_j
+                t_work = model_work_s / a if model_work_s > 0 else 0.0
+                t_env = env_s / b if env_s > 0 else 0.0
+                if (model_work_s > 0 and a <= 0) or (env_s > 0 and b <= 0):
+                    continue
+                best = min(best, max(t_work, t_env))
+    return float(best)
+
+
+def lower_bound(trace: Sequence[TraceExecution], cost: CostModel, staleness_bound: int) -> LowerBound:
+    """max(total work / cells, longest dependent chain) for ``trace`` under ``cost``."""
+    # An execution with a deadline may stop early (how early depends on the schedule), so only
+    # executions without one count toward work; all count toward the chain (latency capped).
+    sure = [e for e in trace if e.timeout_s is None]
+    model_work = sum(float(e.model_work_s(cost).sum()) for e in sure)
+    env = sum(float(e.env_s.sum()) for e in sure)
+    rollout_cs = rollout_cell_seconds(model_work, env, cost)
+    tokens_by_step: dict[int, int] = defaultdict(int)
+    group_tokens: dict[str, int] = defaultdict(int)
+    for e in sure:
+        tokens_by_step[e.step] += e.total_tokens
+        group_tokens[e.group] += e.total_tokens
+    train_cs = sum(tokens_by_step.values()) / cost.train_tok_s
+    work = (rollout_cs + train_cs) / cost.num_cells
+
+    longest: dict[int, TraceExecution] = {}
+    latency: dict[str, float] = {}
+    for e in trace:
+        latency[e.execution_id] = e.solo_latency_s(cost)
+        cur = longest.get(e.step)
+        if cur is None or latency[e.execution_id] > latency[cur.execution_id]:
+            longest[e.step] = e
+    full_rate = cost.num_cells * cost.train_tok_s
+    done: list[float] = []
+    for s in range(len(longest)):
+        prev = done[s - 1] if s >= 1 else 0.0
+        start = done[s - staleness_bound - 1] if s - staleness_bound - 1 >= 0 else 0.0
+        e = longest[s]
+        whole_step = prev + tokens_by_step.get(s, 0) / full_rate
+        last_group = max(prev, start + latency[e.execution_id]) + group_tokens.get(e.group, 0) / full_rate
+        done.append(max(whole_step, last_group) + cost.publish_s)
+    chain = done[-1]
+    return LowerBound(lower_bound_s=max(work, chain), work_bound_s=work, chain_bound_s=chain,
+                      rollout_cell_s=rollout_cs, train_cell_s=train_cs)

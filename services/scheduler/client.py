@@ -1,0 +1,222 @@
+"""Typed clients of the scheduler (``SchedulerClient``) and of a cell agent (``CellAgentClient``).
+
+They speak domain types (``JobSpec``, ``JobStatus``, ``Lease``, ``Event``...) and raise the domain
+errors of ``services.common.errors`` carrying the server's message, so callers never see protos.
+
+    with SchedulerClient("127.0.0.1:50070") as sched:
+        job = sched.submit_job(spec)
+        lease = sched.lease("harness-1", wait_s=5.0)
+        sched.heartbeat(lease.execution_id, lease.lease_token)
+        sched.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
+        for event in sched.watch(job.job_id, follow=True): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from protos.gyre.v1 import scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common import errors
+from services.common.security import open_channel
+from services.scheduler.api import CellInfo
+from services.scheduler.convert import (
+    JOB_STATE_TO_PB,
+    ROLE_FROM_PB,
+    ROLE_TO_PB,
+    STATUS_FROM_PB,
+    STATUS_TO_PB,
+    cell_from_proto,
+    event_from_proto,
+    execution_from_proto,
+    job_from_proto,
+    lease_from_proto,
+    spec_to_proto,
+)
+from services.scheduler.jobs import Event, ExecState, ExecutionRecord, JobSpec, JobState, JobStatus, Lease, Role
+from services.scheduler.state import CompleteResult
+
+pb = scheduler_pb2
+
+_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.ABORTED: errors.Aborted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+}
+_PHASES = {"started": pb.TRAINING_PHASE_STARTED, "published": pb.TRAINING_PHASE_PUBLISHED}
+
+
+def domain_error(exc: grpc.RpcError) -> errors.GyreError:
+    """The domain error for a failed call (INTERNAL and unknown codes: a plain ``GyreError``)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or code.name
+    cls = _CODES.get(code)
+    if cls is None:
+        err = errors.GyreError(f"{code.name}: {details}")
+        err.code = code
+        return err
+    return cls(details)
+
+
+class _Base:
+    def __init__(self, address: str, *, timeout_s: float = 30.0, max_message_mb: int = 64) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = open_channel(address, max_message_mb=max_message_mb)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+
+
+class SchedulerClient(_Base):
+    """All scheduler services (Scheduler, Worker, Cells) over one channel; thread-safe."""
+
+    def __init__(self, address: str, *, timeout_s: float = 30.0, max_message_mb: int = 64) -> None:
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
+        self._sched = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._worker = scheduler_pb2_grpc.WorkerStub(self._channel)
+        self._cells = scheduler_pb2_grpc.CellsStub(self._channel)
+
+    # -- jobs
+    def submit_job(self, spec: JobSpec | scheduler_pb2.JobSpec) -> JobStatus:
+        """Submit a job; a proto spec may leave ``job_id`` empty (the scheduler names it)."""
+        p = spec if isinstance(spec, scheduler_pb2.JobSpec) else spec_to_proto(spec)
+        return job_from_proto(self._call(self._sched.SubmitJob, pb.SubmitJobRequest(spec=p)).job)
+
+    def get_job(self, job_id: str) -> JobStatus:
+        return job_from_proto(self._call(self._sched.GetJob, pb.GetJobRequest(job_id=job_id)).job)
+
+    def list_jobs(self, states: Sequence[JobState] = (), *, page_size: int = 0,
+                  page_token: str = "") -> tuple[list[JobStatus], str]:
+        req = pb.ListJobsRequest(states=[JOB_STATE_TO_PB[s] for s in states], page_size=page_size,
+                                 page_token=page_token)
+        res = self._call(self._sched.ListJobs, req)
+        return [job_from_proto(j) for j in res.jobs], res.next_page_token
+
+    def cancel_job(self, job_id: str, reason: str = "") -> tuple[JobStatus, int]:
+        res = self._call(self._sched.CancelJob, pb.CancelJobRequest(job_id=job_id, reason=reason))
+        return job_from_proto(res.job), res.dropped_queued
+
+    def watch(self, job_id: str, *, after_event_id: str = "", follow: bool = True,
+              timeout_s: float | None = None) -> Iterator[Event]:
+        """The job's events in order; resume with the last ``event_id`` seen."""
+        req = pb.WatchJobRequest(job_id=job_id, after_event_id=after_event_id, follow=follow)
+        try:
+            for e in self._sched.WatchJob(req, timeout=timeout_s):
+                yield event_from_proto(e)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+
+    def report_training(self, job_id: str, step: int, phase: str, weight_version: int = 0) -> tuple[JobStatus, bool]:
+        """Trainer progress: ``phase`` 'started' or 'published' (with ``weight_version`` = step + 1)."""
+        if phase not in _PHASES:
+            raise ValueError(f"phase {phase!r} must be 'started' or 'published'")
+        req = pb.ReportTrainingRequest(job_id=job_id, step=step, phase=_PHASES[phase], weight_version=weight_version)
+        res = self._call(self._sched.ReportTraining, req)
+        return job_from_proto(res.job), res.duplicate
+
+    def get_execution(self, execution_id: str) -> ExecutionRecord:
+        res = self._call(self._sched.GetExecution, pb.GetExecutionRequest(execution_id=execution_id))
+        return execution_from_proto(res.execution)
+
+    def list_cells(self) -> list[CellInfo]:
+        res = self._call(self._sched.ListCells, pb.ListCellsRequest())
+        return [CellInfo(cell_from_proto(c), c.heartbeat_age_s, c.alive) for c in res.cells]
+
+    # -- worker (harnesses)
+    def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0) -> Lease | None:
+        req = pb.LeaseExecutionRequest(worker_id=worker_id, job_id=job_id, wait_s=wait_s)
+        res = self._call(self._worker.LeaseExecution, req, self.timeout_s + wait_s)
+        return lease_from_proto(res.lease) if res.leased else None
+
+    def heartbeat(self, execution_id: str, lease_token: str) -> tuple[float, float, bool]:
+        """Extend a lease: (deadline_s, lease_expires_s, job_cancelled)."""
+        res = self._call(self._worker.Heartbeat, pb.HeartbeatRequest(execution_id=execution_id,
+                                                                      lease_token=lease_token))
+        return res.deadline_s, res.lease_expires_s, res.cancelled
+
+    def complete(self, execution_id: str, lease_token: str, status: ExecState, reason: str = "") -> CompleteResult:
+        req = pb.CompleteExecutionRequest(execution_id=execution_id, lease_token=lease_token,
+                                          status=STATUS_TO_PB[status], reason=reason)
+        res = self._call(self._worker.CompleteExecution, req)
+        state = STATUS_FROM_PB.get(res.status, ExecState.FAILED) if res.duplicate else status
+        return CompleteResult(state, res.duplicate, res.done_in_step)
+
+    # -- cells
+    def register_cell(self, *, cell_id: str, address: str, role: Role, host: str = "", is_core: bool = False,
+                      kv_capacity_tokens: int = 0, num_accelerators: int = 1) -> bool:
+        req = pb.RegisterCellRequest(cell_id=cell_id, address=address, host=host, role=ROLE_TO_PB[role],
+                                     is_core=is_core, kv_capacity_tokens=kv_capacity_tokens,
+                                     num_accelerators=num_accelerators)
+        return bool(self._call(self._cells.RegisterCell, req).created)
+
+    def cell_heartbeat(self, cell_id: str, *, role: Role, inflight: int = 0, kv_used_tokens: int = 0,
+                       kv_capacity_tokens: int = 0, weight_version: int = 0) -> tuple[Role, Role | None]:
+        """Report load; returns (registry role, target of the switch in flight or None)."""
+        req = pb.CellHeartbeatRequest(cell_id=cell_id, inflight=inflight, kv_used_tokens=kv_used_tokens,
+                                      kv_capacity_tokens=kv_capacity_tokens, weight_version=weight_version,
+                                      role=ROLE_TO_PB[role])
+        res = self._call(self._cells.CellHeartbeat, req)
+        return ROLE_FROM_PB[res.assigned_role], (ROLE_FROM_PB[res.switching_to] if res.switching_to else None)
+
+    def deregister_cell(self, cell_id: str) -> Role:
+        res = self._call(self._cells.DeregisterCell, pb.DeregisterCellRequest(cell_id=cell_id))
+        return ROLE_FROM_PB[res.role]
+
+
+class CellAgentClient(_Base):
+    """Client of one cell's ``CellAgent`` (what the agent actuator calls)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
+        super().__init__(address, timeout_s=timeout_s)
+        self._stub = scheduler_pb2_grpc.CellAgentStub(self._channel)
+
+    def set_role(self, *, cell_id: str, role: Role, switch_id: str, job_id: str = "", step: int = 0,
+                 weight_version: int = 0) -> tuple[Role, float]:
+        """Change the cell's role (idempotent per switch_id): (role now, seconds the change took)."""
+        req = pb.SetRoleRequest(cell_id=cell_id, role=ROLE_TO_PB[role], switch_id=switch_id, job_id=job_id,
+                                step=step, weight_version=weight_version)
+        res = self._call(self._stub.SetRole, req)
+        return ROLE_FROM_PB[res.role], res.duration_s
+
+    def get_role(self) -> tuple[str, Role, str]:
+        res = self._call(self._stub.GetRole, pb.GetRoleRequest())
+        return res.cell_id, ROLE_FROM_PB[res.role], res.last_switch_id
+
+
+class TrainerMembershipClient(_Base):
+    """The two trainer RPCs the orchestrator needs (AddReplica / ReleaseReplica), without the
+    trainer client's torch import, so the scheduler process stays light."""
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
+        super().__init__(address, timeout_s=timeout_s)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    def add_replica(self, cell_id: str, *, switch_id: str, wait_s: float) -> str:
+        """Start a trainer replica on ``cell_id`` that joins the running step; returns its replica id."""
+        req = trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id, wait_s=wait_s)
+        return str(self._call(self._stub.AddReplica, req, wait_s + 30.0).replica_id)
+
+    def release_replica(self, cell_id: str, *, wait_s: float) -> bool:
+        """Give the cell back after its step's update; True once the replica is gone."""
+        req = trainer_pb2.ReleaseReplicaRequest(cell_id=cell_id, wait_s=wait_s)
+        return bool(self._call(self._stub.ReleaseReplica, req, wait_s + 30.0).released)

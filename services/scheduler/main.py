@@ -1,0 +1,64 @@
+"""``gyre-scheduler``: the scheduler process (job/worker/cell API + orchestration loop).
+
+    python -m services.scheduler.main --config deploy/config/local.toml --redis-url redis://... \
+        --gateway-address 127.0.0.1:50051 --trainer-address 127.0.0.1:50061
+
+Everything it knows lives in Redis, so it can be killed and restarted at any time: the API is
+stateless and the orchestrator resumes (or rolls back) switches that were in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+
+from services.common.entry import Built, run_service
+from services.common.logging import get_logger
+from services.common.redis_store import connect
+from services.common.server import build_server
+from services.scheduler.config import SchedulerConfig
+
+log = get_logger("services.scheduler")
+
+
+def build_scheduler(cfg: SchedulerConfig) -> Built:
+    from services.scheduler.actuators import AgentActuator, ServicesActuator
+    from services.scheduler.api import SchedulerApi
+    from services.scheduler.orchestrator import Orchestrator
+    from services.scheduler.servicer import SERVICE_NAMES, registrations
+    from services.scheduler.state import SchedulerState
+
+    state = SchedulerState(connect(cfg.redis_url), event_maxlen=cfg.event_maxlen,
+                           retention_s=cfg.execution_retention_s)
+    api = SchedulerApi(state, lease_ttl_s=cfg.lease_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s)
+    server = build_server("scheduler", registrations(api), service_names=SERVICE_NAMES, host=cfg.host,
+                          port=cfg.port, max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
+    if not cfg.orchestrate:
+        return server, None
+    actuator: AgentActuator | ServicesActuator
+    if cfg.actuator == "agent":
+        actuator = AgentActuator(gateway_address=cfg.gateway_address, timeout_s=cfg.actuator_timeout_s)
+    else:
+        actuator = ServicesActuator(gateway_address=cfg.gateway_address, trainer_address=cfg.trainer_address,
+                                    timeout_s=cfg.actuator_timeout_s)
+    orchestrator = Orchestrator(
+        state, actuator, instance_id=cfg.instance_id or f"{socket.gethostname()}-{os.getpid()}",
+        tick_interval_s=cfg.tick_interval_s, leader_ttl_s=cfg.leader_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s,
+        switch_timeout_s=cfg.switch_timeout_s, switch_workers=cfg.switch_workers,
+        metrics_event_interval_s=cfg.metrics_event_interval_s).start()
+    log.info("orchestrator started", actuator=cfg.actuator, instance_id=orchestrator.instance_id)
+
+    def on_shutdown() -> None:
+        orchestrator.stop(cfg.grace_s)
+        actuator.close()
+
+    return server, on_shutdown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_service("scheduler", SchedulerConfig, build_scheduler, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

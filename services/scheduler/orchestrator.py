@@ -1,0 +1,311 @@
+"""Live orchestration: observe Redis, ask the policy, carry out role switches.
+
+One loop per scheduler deployment (the instance holding the ``leader`` lease in Redis) runs::
+
+    every tick_interval_s:
+      reap expired leases -> re-queue (or fail after max_attempts)
+      for each active job (oldest first):
+        pending: admit when no running job holds its cells; running: enqueue every step whose
+        rollouts may start (policy.may_start: step - weight_version <= staleness bound)
+        view    = ClusterView from Redis (one script + one pipelined read of the job's cells)
+        actions = policy.decide(view, params)              # pure, shared with the simulator
+        for a in actions:  begin_switch (atomic: cell -> SWITCHING, from/to/start recorded)
+                           -> switch pool: actuator.switch(...) -> end_switch(done | rolled back)
+      pending switches with no worker here (a crash, a leader change): carry them out again
+      (actuators are idempotent per switch id) or roll back those older than switch_timeout_s
+
+The actuator is the seam to the outside (``actuators.py``): the gateway drains the cell's engine
+(migrating its in-flight requests, so no execution is interrupted) and the trainer takes or gives
+back the replica; or a cell agent does the same on its cell. Each switch's duration goes to
+Redis (switch_log stream, the job's events) and the ``gyre_scheduler_switch_seconds`` histogram.
+
+Lifecycle: built -> start() (thread) -> stop() (waits for in-flight switches, releases leadership).
+``tick()`` is public so tests and benchmarks can drive the loop step by step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from prometheus_client import Counter, Histogram
+
+from services.common.errors import FailedPrecondition, GyreError
+from services.common.logging import get_logger
+from services.common.metrics import REGISTRY
+from services.scheduler.jobs import CellRecord, EventKind, JobState, JobStatus, Role
+from services.scheduler.policy import Action, CellView, ClusterView, decide, may_start
+from services.scheduler.state import SchedulerState
+from services.scheduler.tasks import step_payloads
+
+log = get_logger(__name__)
+
+SWITCH_SECONDS = Histogram("gyre_scheduler_switch_seconds", "Duration of completed role switches.",
+                           ["from_role", "to_role"], registry=REGISTRY,
+                           buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3.5, 5, 8.5, 15, 30, 60, 120, 300, 600))
+SWITCHES = Counter("gyre_scheduler_switches_total", "Role switches by outcome (done, rolled_back).",
+                   ["outcome"], registry=REGISTRY)
+DECISIONS = Counter("gyre_scheduler_decisions_total", "Policy decisions made (one per running job per tick).",
+                    registry=REGISTRY)
+DECISION_SECONDS = Histogram("gyre_scheduler_decision_seconds", "Build view + decide for one job.",
+                             registry=REGISTRY, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
+REQUEUES = Counter("gyre_scheduler_requeues_total", "Expired leases, by outcome (requeued, failed, cancelled).",
+                   ["outcome"], registry=REGISTRY)
+
+
+class CellActuator(Protocol):
+    """Carries out one role switch of one cell; blocks until done and raises when it failed.
+
+    Must be idempotent per ``switch_id``: after a scheduler crash the same switch is carried out
+    again. ``migrate_to`` are the rollout cells the policy expects to receive the cell's in-flight
+    executions (ROLLOUT -> TRAIN); the cell must host nothing when the call returns.
+    """
+
+    def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
+               migrate_to: Sequence[CellRecord]) -> None: ...
+
+
+class Orchestrator:
+    def __init__(self, state: SchedulerState, actuator: CellActuator, *, instance_id: str,
+                 tick_interval_s: float = 0.5, leader_ttl_s: float = 10.0, cell_dead_after_s: float = 30.0,
+                 switch_timeout_s: float = 600.0, switch_workers: int = 8,
+                 metrics_event_interval_s: float = 5.0) -> None:
+        self.state = state
+        self.actuator = actuator
+        self.instance_id = instance_id
+        self.tick_interval_s = tick_interval_s
+        self.leader_ttl_s = leader_ttl_s
+        self.cell_dead_after_s = cell_dead_after_s
+        self.switch_timeout_s = switch_timeout_s
+        self.metrics_event_interval_s = metrics_event_interval_s
+        self._pool = ThreadPoolExecutor(max_workers=switch_workers, thread_name_prefix="sched-switch")
+        self._inflight: dict[str, Future[None]] = {}  # cell_id -> switch carried out by this process
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_metrics: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> Orchestrator:
+        self._thread = threading.Thread(target=self._run, name="sched-orchestrator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop ticking, let in-flight switches finish (up to ``timeout_s``), release leadership."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            futures = list(self._inflight.values())
+        deadline = time.monotonic() + timeout_s
+        for f in futures:
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # deliberate: already logged by the switch worker
+                pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.state.release_leader(self.instance_id)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:  # deliberate fault tolerance: Redis blips must not kill the loop
+                log.exception("orchestrator tick failed; retrying next tick")
+            self._stop.wait(max(0.0, self.tick_interval_s - (time.monotonic() - started)))
+
+    # ---------------------------------------------------------------- the loop
+
+    def tick(self) -> bool:
+        """One pass of the loop; False when another instance leads."""
+        if not self.state.acquire_leader(self.instance_id, self.leader_ttl_s):
+            return False
+        for _eid, outcome in self.state.reap_expired():
+            REQUEUES.labels(outcome).inc()
+        self.recover_switches()
+        running_cells: list[tuple[str, ...] | None] = []  # cells of running jobs (None: all)
+        for job_id in self.state.active_job_ids():
+            try:
+                job = self.state.get_job(job_id)
+            except GyreError:
+                continue
+            if job.state is JobState.PENDING:
+                job = self._admit(job, running_cells) or job
+            if job.state is JobState.RUNNING:
+                running_cells.append(job.spec.cell_ids or None)
+                self.step_job(job)
+        return True
+
+    def _admit(self, job: JobStatus, running: list[tuple[str, ...] | None]) -> JobStatus | None:
+        mine = set(job.spec.cell_ids)
+        for other in running:
+            if other is None or not mine or mine & set(other):
+                return None  # its cells are held by a running job: stay pending
+        if self.state.set_job_state(job.job_id, JobState.PENDING, JobState.RUNNING, "admitted"):
+            log.info("job admitted", job_id=job.job_id)
+        return self.state.get_job(job.job_id)
+
+    def step_job(self, job: JobStatus) -> list[Action]:
+        """Enqueue startable steps, decide, and start the switches for one running job."""
+        job = self._enqueue_startable(job)
+        if job.state is not JobState.RUNNING:
+            return []
+        t0 = time.perf_counter()
+        cells = self.job_cells(job)
+        view = self.build_view(job, cells)
+        actions = decide(view, job.spec.policy_params())
+        DECISIONS.inc()
+        DECISION_SECONDS.observe(time.perf_counter() - t0)
+        by_id = {c.cell_id: c for c in cells}
+        for a in actions:
+            self._start_switch(job, a, by_id)
+        self._maybe_metrics_event(job, cells)
+        return actions
+
+    def _enqueue_startable(self, job: JobStatus) -> JobStatus:
+        spec, params = job.spec, job.spec.policy_params()
+        step = job.enqueued_steps
+        changed = False
+        while step < spec.num_steps and may_start(step, job.weight_version, params):
+            try:
+                payloads = step_payloads(spec, step)
+            except ValueError as exc:
+                log.error("task source failed; failing the job", job_id=job.job_id, step=step, error=str(exc))
+                self.state.set_job_state(job.job_id, JobState.RUNNING, JobState.FAILED, f"task source: {exc}")
+                return self.state.get_job(job.job_id)
+            n = self.state.enqueue_step(spec, step, payloads)
+            log.info("step enqueued", job_id=job.job_id, step=step, executions=n)
+            step, changed = step + 1, True
+        return self.state.get_job(job.job_id) if changed else job
+
+    def job_cells(self, job: JobStatus) -> list[CellRecord]:
+        """The job's live cells: those named in its spec, else every registered cell."""
+        cells = self.state.list_cells(job.spec.cell_ids or None)
+        horizon = self.state.clock() - self.cell_dead_after_s
+        return [c for c in cells if c.heartbeat_s >= horizon or c.role is Role.SWITCHING]
+
+    def build_view(self, job: JobStatus, cells: Sequence[CellRecord]) -> ClusterView:
+        spec = job.spec
+        params = spec.policy_params()
+        nxt = job.current_step + 1
+        return ClusterView(
+            now_s=self.state.clock(), step=job.current_step, weight_version=job.weight_version,
+            cells=tuple(CellView(cell_id=c.cell_id, role=c.role, is_core=c.is_core, inflight=c.inflight,
+                                 kv_used_tokens=c.kv_used_tokens, kv_capacity_tokens=c.kv_capacity_tokens,
+                                 switching_to=c.switch_to if c.role is Role.SWITCHING else None)
+                        for c in cells),
+            queued=job.queued, running=job.running, finished_in_step=job.done_in_step, step_size=spec.step_size,
+            train_ready=job.groups_done_in_step > 0,
+            training_active=job.training_step == job.current_step or job.done_in_step >= spec.step_size,
+            next_step_allowed=nxt < spec.num_steps and may_start(nxt, job.weight_version, params),
+        )
+
+    # ---------------------------------------------------------------- switches
+
+    def _start_switch(self, job: JobStatus, a: Action, cells: dict[str, CellRecord]) -> None:
+        cell = cells.get(a.cell_id)
+        if cell is None or cell.is_core or cell.role is Role.SWITCHING:
+            log.error("policy action refused", cell_id=a.cell_id, reason="unknown, core or switching cell")
+            return
+        if cell.role is Role.ROLLOUT and cell.inflight > 0 and not a.migrate_to:
+            # never interrupt an execution: a busy rollout cell leaves only by migrating its work
+            log.error("policy action refused", cell_id=a.cell_id, reason="busy rollout cell without migration")
+            return
+        try:
+            switch_id = self.state.begin_switch(cell_id=cell.cell_id, from_role=cell.role, to_role=a.to_role,
+                                                job_id=job.job_id, reason=a.reason, migrate_to=a.migrate_to)
+        except FailedPrecondition as exc:  # the cell changed since the view was built
+            log.info("switch not started", cell_id=cell.cell_id, error=str(exc))
+            return
+        log.info("switch started", job_id=job.job_id, cell_id=cell.cell_id, from_role=cell.role.value,
+                 to_role=a.to_role.value, reason=a.reason, migrate_to=list(a.migrate_to))
+        targets = [cells[t] for t in a.migrate_to if t in cells]
+        self._submit(cell, cell.role, a.to_role, switch_id, job, targets)
+
+    def _submit(self, cell: CellRecord, from_role: Role, to_role: Role, switch_id: str, job: JobStatus,
+                targets: Sequence[CellRecord]) -> None:
+        with self._lock:
+            self._inflight[cell.cell_id] = self._pool.submit(
+                self._carry_out, cell, from_role, to_role, switch_id, job, targets)
+
+    def _carry_out(self, cell: CellRecord, from_role: Role, to_role: Role, switch_id: str, job: JobStatus,
+                   targets: Sequence[CellRecord]) -> None:
+        bound = log.bind(job_id=job.job_id, cell_id=cell.cell_id, switch_id=switch_id)
+        try:
+            self.actuator.switch(cell, from_role, to_role, switch_id=switch_id, job=job, migrate_to=targets)
+        except Exception as exc:  # deliberate: a failed switch is rolled back, not fatal
+            bound.warning("switch failed; rolling back", from_role=from_role.value, to_role=to_role.value,
+                          error=str(exc))
+            error = f"{type(exc).__name__}: {exc}"
+            try:
+                self.actuator.switch(cell, to_role, from_role, switch_id=switch_id + "-rollback", job=job,
+                                     migrate_to=())
+            except Exception as exc2:  # deliberate: the cell's heartbeat will report what it runs
+                error += f"; restoring {from_role.value} also failed: {exc2}"
+            self._end(cell.cell_id, switch_id, job.job_id, False, error, from_role, to_role)
+            return
+        self._end(cell.cell_id, switch_id, job.job_id, True, "", from_role, to_role)
+
+    def _end(self, cell_id: str, switch_id: str, job_id: str, done: bool, error: str, from_role: Role,
+             to_role: Role) -> None:
+        try:
+            duration = self.state.end_switch(cell_id=cell_id, switch_id=switch_id, job_id=job_id, done=done,
+                                             error=error)
+        except GyreError as exc:  # rolled back meanwhile by a timeout, or by another leader
+            log.info("switch end not recorded", cell_id=cell_id, switch_id=switch_id, error=str(exc))
+            duration = 0.0
+        finally:
+            with self._lock:
+                self._inflight.pop(cell_id, None)
+        SWITCHES.labels("done" if done else "rolled_back").inc()
+        if done and duration > 0:
+            SWITCH_SECONDS.labels(from_role.value, to_role.value).observe(duration)
+        log.info("switch ended", cell_id=cell_id, switch_id=switch_id, done=done, duration_s=duration, error=error)
+
+    def recover_switches(self) -> None:
+        """Carry out again (or roll back, when too old) switches that no worker here is running."""
+        now = self.state.clock()
+        for cell in self.state.pending_switches():
+            with self._lock:
+                if cell.cell_id in self._inflight:
+                    continue
+            assert cell.switch_from is not None and cell.switch_to is not None
+            if now - cell.switch_started_s > self.switch_timeout_s:
+                log.warning("switch timed out; rolling back", cell_id=cell.cell_id, switch_id=cell.switch_id)
+                self._end(cell.cell_id, cell.switch_id, cell.switch_job_id, False,
+                          f"no progress for {self.switch_timeout_s:.0f}s", cell.switch_from, cell.switch_to)
+                continue
+            try:
+                job = self.state.get_job(cell.switch_job_id)
+            except GyreError:
+                self._end(cell.cell_id, cell.switch_id, cell.switch_job_id, False, "job gone",
+                          cell.switch_from, cell.switch_to)
+                continue
+            log.info("resuming switch", cell_id=cell.cell_id, switch_id=cell.switch_id,
+                     from_role=cell.switch_from.value, to_role=cell.switch_to.value)
+            migrate = self.state.list_cells(cell.switch_migrate_to)
+            self._submit(cell, cell.switch_from, cell.switch_to, cell.switch_id, job, migrate)
+
+    def switches_in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def _maybe_metrics_event(self, job: JobStatus, cells: Sequence[CellRecord]) -> None:
+        now = self.state.clock()
+        if now - self._last_metrics.get(job.job_id, 0.0) < self.metrics_event_interval_s:
+            return
+        self._last_metrics[job.job_id] = now
+        roles = [c.role for c in cells]
+        self.state.append_event(job.job_id, EventKind.METRICS.value, {
+            "step": job.current_step, "weight_version": job.weight_version, "queued": job.queued,
+            "running": job.running, "done_in_step": job.done_in_step, "step_size": job.spec.step_size,
+            "rollout_cells": roles.count(Role.ROLLOUT), "train_cells": roles.count(Role.TRAIN),
+            "switching_cells": roles.count(Role.SWITCHING), "idle_cells": roles.count(Role.IDLE),
+        })
+

@@ -1,0 +1,356 @@
+"""The scheduling policy: one pure function decides cell roles for all three modes.
+
+``decide(view, params)`` looks at an immutable snapshot of the cluster (``ClusterView``) and
+returns role switches (``Action``). It does no I/O: the live scheduler builds the view from Redis
+and drives the switches through the rollout gateway and trainer; the simulator
+(``simulator.py``) builds the view from its event model. Both call this same function.
+
+Modes (``Mode``):
+
+* ``colocate``: every non-core cell alternates. The pool rolls out a step; when no rollout is
+  running or startable and the step's training data is ready, the pool switches to TRAIN; when
+  the update is published and the next step's rollouts may start, it switches back. The core
+  trains streamed micro-batches meanwhile. Colocate is on-policy by construction (a rollout that
+  overlapped an update would have to be interrupted when the whole pool switches), so its
+  effective staleness bound is 0.
+* ``async``: a static split, ``async_rollout_cells`` non-core cells in ROLLOUT and the rest
+  (plus the core) in TRAIN, with rollouts of later steps running within the staleness bound.
+* ``elastic``: starts every non-core cell in ROLLOUT. Rollout capacity follows rollout demand
+  (running + startable executions, packed ``slots`` to a cell): when demand falls, the emptiest
+  rollout cells hand their in-flight executions to cells with KV room (migration, no
+  recomputation) and switch to TRAIN to join the running update; when startable work exceeds
+  the rollout capacity (typically when an update is published and the next step opens), TRAIN
+  cells return to ROLLOUT. Rollouts of later steps may overlap the running update within the
+  staleness bound, exactly as in async.
+
+Invariants (asserted by ``check_actions`` and the tests): the core cell never switches; a
+SWITCHING cell gets no action; a ROLLOUT cell switches away only when it hosts nothing or when
+every hosted execution is migrated to ROLLOUT cells with KV room, so no execution is
+interrupted. Admission (which execution may start, and where) is decided by ``may_start`` and
+``place_execution`` so that the staleness bound is enforced in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal, TypeVar
+
+K = TypeVar("K")
+
+
+class Mode(str, Enum):
+    """How the pool shares rollout and training."""
+
+    COLOCATE = "colocate"
+    ASYNC = "async"
+    ELASTIC = "elastic"
+
+
+class Role(str, Enum):
+    """The role a cell holds (IDLE: registered, not yet assigned)."""
+
+    ROLLOUT = "rollout"
+    TRAIN = "train"
+    SWITCHING = "switching"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class CellView:
+    """One cell as the policy sees it."""
+
+    cell_id: str
+    role: Role
+    is_core: bool
+    inflight: int  # executions (model-call contexts) currently hosted by this cell's engine
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    switching_to: Role | None = None
+
+    def __post_init__(self) -> None:
+        if self.inflight < 0 or self.kv_used_tokens < 0 or self.kv_capacity_tokens < 0:
+            raise ValueError(f"cell {self.cell_id!r}: inflight and KV token counts must be >= 0")
+        if (self.role is Role.SWITCHING) != (self.switching_to is not None):
+            raise ValueError(f"cell {self.cell_id!r}: switching_to is set exactly when role is SWITCHING")
+
+    @property
+    def kv_per_execution(self) -> float:
+        """Average KV tokens one hosted execution holds here (0 when nothing is hosted)."""
+        return self.kv_used_tokens / self.inflight if self.inflight else 0.0
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """An immutable snapshot of the cluster and the job's progress."""
+
+    now_s: float
+    step: int  # the step whose update is in progress (or next to run)
+    weight_version: int  # published updates so far
+    cells: tuple[CellView, ...]
+    queued: int  # executions of the current (and allowed future) steps not yet started
+    running: int  # executions started and not finished
+    finished_in_step: int
+    step_size: int  # executions per step
+    train_ready: bool  # the step's training batch is (partly) available, so TRAIN cells have work
+    training_active: bool  # an update is in progress
+    next_step_allowed: bool  # staleness bound lets rollouts of step+1 start now
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Job-level knobs of the policy."""
+
+    mode: Mode
+    # Max weight versions between the policy a sample trains and the policy that generated it
+    # (async and elastic; colocate is always 0).
+    staleness_bound: int = 1
+    # async: non-core cells held in ROLLOUT; required in async mode.
+    async_rollout_cells: int | None = None
+    # elastic: never shrink rollout below this many cells while anything runs or is startable.
+    min_rollout_cells: int = 1
+    # elastic: target KV occupancy of rollout cells when consolidating, in (0, 1]. 1.0 packs
+    # executions tight (fewest rollout cells); lower values keep headroom and migrate less.
+    consolidate_threshold: float = 1.0
+    # elastic: KV tokens one execution reserves (the job's context window). None: inferred from
+    # the cells (largest per-execution KV in use), or the whole cell when nothing runs.
+    execution_kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, Mode):
+            raise ValueError(f"mode must be one of {[m.value for m in Mode]}, got {self.mode!r}")
+        if self.staleness_bound < 0:
+            raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
+        if self.mode is Mode.ASYNC and (self.async_rollout_cells is None or self.async_rollout_cells < 1):
+            raise ValueError("async mode needs async_rollout_cells >= 1 (the static rollout split)")
+        if self.min_rollout_cells < 0:
+            raise ValueError(f"min_rollout_cells must be >= 0, got {self.min_rollout_cells}")
+        if not 0.0 < self.consolidate_threshold <= 1.0:
+            raise ValueError(f"consolidate_threshold must be in (0, 1], got {self.consolidate_threshold}")
+        if self.execution_kv_tokens is not None and self.execution_kv_tokens < 1:
+            raise ValueError(f"execution_kv_tokens must be >= 1, got {self.execution_kv_tokens}")
+
+
+@dataclass(frozen=True)
+class Action:
+    """Switch ``cell_id`` to ``to_role``; for ROLLOUT->TRAIN, migrate its executions first."""
+
+    kind: Literal["switch"]
+    cell_id: str
+    to_role: Role
+    migrate_to: tuple[str, ...] = ()  # cells receiving its in-flight executions, in fill order
+    reason: str = ""
+
+
+def effective_staleness_bound(params: PolicyParams) -> int:
+    """The bound admission enforces: colocate never overlaps rollouts with an update."""
+    return 0 if params.mode is Mode.COLOCATE else params.staleness_bound
+
+
+def may_start(execution_step: int, weight_version: int, params: PolicyParams) -> bool:
+    """Whether an execution of ``execution_step`` may start under ``weight_version``.
+
+    Its tokens are ``execution_step - weight_version`` versions older than the policy that trains
+    them (at worst: an engine may receive newer weights mid-execution).
+    """
+    return execution_step - weight_version <= effective_staleness_bound(params)
+
+
+def slots_per_cell(cell: CellView, execution_kv_tokens: float) -> int:
+    """How many executions fit in a cell's KV (at least 1, so a cell can always host one)."""
+    return max(1, int(cell.kv_capacity_tokens // max(execution_kv_tokens, 1.0)))
+
+
+def free_slots(cell: CellView, execution_kv_tokens: float) -> int:
+    """Executions a ROLLOUT cell can still admit."""
+    if cell.role is not Role.ROLLOUT:
+        return 0
+    room = cell.kv_capacity_tokens - cell.kv_used_tokens
+    return max(0, min(slots_per_cell(cell, execution_kv_tokens) - cell.inflight,
+                      int(room // max(execution_kv_tokens, 1.0))))
+
+
+def choose_cell(candidates: Iterable[tuple[K, int]], mode: Mode) -> K | None:
+    """Pick among ``(key, inflight)`` of ROLLOUT cells with a free slot; first wins ties.
+
+    Elastic packs (most loaded cell with room) so that emptier cells can be freed for training;
+    colocate and async spread (least loaded), which gives the fastest decode per request.
+    """
+    best: K | None = None
+    best_load = 0
+    pack = mode is Mode.ELASTIC
+    for key, load in candidates:
+        if best is None or (load > best_load if pack else load < best_load):
+            best, best_load = key, load
+    return best
+
+
+def place_execution(view: ClusterView, params: PolicyParams, execution_kv_tokens: float) -> str | None:
+    """The ROLLOUT cell a new execution starts on, or None when no cell has room."""
+    return choose_cell(((c.cell_id, c.inflight) for c in view.cells if free_slots(c, execution_kv_tokens) > 0),
+                       params.mode)
+
+
+def execution_kv_tokens(view: ClusterView, params: PolicyParams) -> float:
+    """KV tokens one execution reserves: the job's value, else inferred from the cells."""
+    if params.execution_kv_tokens is not None:
+        return float(params.execution_kv_tokens)
+    per_exec = [c.kv_per_execution for c in view.cells if c.inflight > 0]
+    if per_exec:
+        return max(per_exec)
+    return float(max((c.kv_capacity_tokens for c in view.cells), default=1))
+
+
+def decide(view: ClusterView, params: PolicyParams) -> list[Action]:
+    """Role switches to make now (possibly none). Pure: same view and params, same answer."""
+    if params.mode is Mode.COLOCATE:
+        actions = _decide_colocate(view)
+    elif params.mode is Mode.ASYNC:
+        actions = _decide_async(view, params)
+    else:
+        actions = _decide_elastic(view, params)
+    check_actions(view, actions, execution_kv_tokens(view, params))
+    return actions
+
+
+def _switch(cell: CellView, to: Role, reason: str, migrate_to: tuple[str, ...] = ()) -> Action:
+    return Action(kind="switch", cell_id=cell.cell_id, to_role=to, migrate_to=migrate_to, reason=reason)
+
+
+def _movable(view: ClusterView) -> list[CellView]:
+    """Non-core cells that may receive an action (not mid-switch), in a stable order."""
+    return sorted((c for c in view.cells if not c.is_core and c.role is not Role.SWITCHING),
+                  key=lambda c: c.cell_id)
+
+
+def _decide_colocate(view: ClusterView) -> list[Action]:
+    cells = _movable(view)
+    rollout_idle = view.running == 0 and view.queued == 0
+    if rollout_idle and view.train_ready:
+        # The whole step has rolled out: the pool joins the core on the update.
+        return [_switch(c, Role.TRAIN, "colocate: step rolled out") for c in cells
+                if c.role is Role.IDLE or (c.role is Role.ROLLOUT and c.inflight == 0)]
+    if view.queued > 0 and not view.training_active and not view.train_ready:
+        return [_switch(c, Role.ROLLOUT, "colocate: update published") for c in cells
+                if c.role in (Role.TRAIN, Role.IDLE)]
+    return []
+
+
+def _decide_async(view: ClusterView, params: PolicyParams) -> list[Action]:
+    assert params.async_rollout_cells is not None
+    non_core = [c for c in view.cells if not c.is_core]
+    want = min(params.async_rollout_cells, len(non_core))
+    have = sum(1 for c in non_core if c.role is Role.ROLLOUT or c.switching_to is Role.ROLLOUT)
+    actions: list[Action] = []
+    cells = _movable(view)
+    # Grow rollout from IDLE first, then TRAIN; shrink it with empty rollout cells only.
+    for c in sorted(cells, key=lambda c: (c.role is not Role.IDLE, c.cell_id)):
+        if have < want and c.role in (Role.IDLE, Role.TRAIN):
+            actions.append(_switch(c, Role.ROLLOUT, f"async: static split {want} rollout cells"))
+            have += 1
+        elif c.role is Role.IDLE:
+            actions.append(_switch(c, Role.TRAIN, "async: static split"))
+        elif have > want and c.role is Role.ROLLOUT and c.inflight == 0:
+            actions.append(_switch(c, Role.TRAIN, f"async: static split {want} rollout cells"))
+            have -= 1
+    return actions
+
+
+def _decide_elastic(view: ClusterView, params: PolicyParams) -> list[Action]:
+    kv_exec = execution_kv_tokens(view, params)
+    non_core = [c for c in view.cells if not c.is_core]
+    if not non_core:
+        return []
+    slots = max(slots_per_cell(c, kv_exec) for c in non_core)
+    demand = view.running + view.queued  # executions that need a slot now
+    need = math.ceil(demand / (slots * params.consolidate_threshold)) if demand else 0
+    if demand:
+        need = max(need, params.min_rollout_cells)
+    need = min(need, len(non_core))
+    rollout = [c for c in non_core if c.role is Role.ROLLOUT]
+    have = len(rollout) + sum(1 for c in non_core if c.switching_to is Role.ROLLOUT)
+    train_work = view.train_ready or view.training_active
+    actions: list[Action] = []
+
+    for c in _movable(view):
+        if c.role is not Role.IDLE:
+            continue
+        if have < need or not train_work:
+            actions.append(_switch(c, Role.ROLLOUT, "elastic: assign"))
+            have += 1
+        else:
+            actions.append(_switch(c, Role.TRAIN, "elastic: assign"))
+
+    if have < need:
+        # Startable rollouts outnumber free slots: bring TRAIN cells back (the update keeps the core).
+        for c in _movable(view):
+            if have >= need:
+                break
+            if c.role is Role.TRAIN:
+                actions.append(_switch(c, Role.ROLLOUT, f"elastic: rollout demand {demand} needs {need} cells"))
+                have += 1
+    elif have > need and view.train_ready:
+        actions.extend(_consolidate(rollout, have - need, kv_exec, demand))
+    return actions
+
+
+def _consolidate(rollout: list[CellView], surplus: int, kv_exec: float, demand: int) -> list[Action]:
+    """Free up to ``surplus`` rollout cells for training, emptiest first, migrating their work.
+
+    A cell is freed only when every execution it hosts fits on the remaining rollout cells; the
+    receivers are filled most-loaded first so that the next cells to free stay empty.
+    """
+    room = {c.cell_id: free_slots(c, kv_exec) for c in rollout}
+    freeing: set[str] = set()
+    actions: list[Action] = []
+    for cell in sorted(rollout, key=lambda c: (c.inflight, c.cell_id)):
+        if len(freeing) >= surplus:
+            break
+        receivers = sorted((r for r in rollout if r.cell_id != cell.cell_id and r.cell_id not in freeing),
+                           key=lambda r: (-r.inflight, r.cell_id))
+        need, targets = cell.inflight, []
+        for r in receivers:
+            if need <= 0:
+                break
+            take = min(room[r.cell_id], need)
+            if take > 0:
+                targets.append((r.cell_id, take))
+                need -= take
+        if need > 0:
+            continue  # its work does not fit elsewhere: keep it, try the next cell
+        for cell_id, take in targets:
+            room[cell_id] -= take
+        freeing.add(cell.cell_id)
+        actions.append(_switch(cell, Role.TRAIN, f"elastic: consolidate, rollout demand {demand}",
+                               migrate_to=tuple(cid for cid, _ in targets)))
+    return actions
+
+
+def check_actions(view: ClusterView, actions: list[Action], kv_exec: float) -> None:
+    """Assert the policy invariants on a batch of actions against the view it came from."""
+    by_id = {c.cell_id: c for c in view.cells}
+    seen: set[str] = set()
+    room = {c.cell_id: free_slots(c, kv_exec) for c in view.cells}
+    for a in actions:
+        cell = by_id.get(a.cell_id)
+        assert cell is not None, f"action for unknown cell {a.cell_id}"
+        assert a.cell_id not in seen, f"two actions for cell {a.cell_id}"
+        seen.add(a.cell_id)
+        assert not cell.is_core, f"core cell {a.cell_id} must never switch"
+        assert cell.role is not Role.SWITCHING, f"cell {a.cell_id} is mid-switch"
+        assert a.to_role in (Role.ROLLOUT, Role.TRAIN) and a.to_role is not cell.role, a
+        if cell.role is Role.ROLLOUT and cell.inflight > 0:
+            need = cell.inflight
+            for target in a.migrate_to:
+                assert target != a.cell_id and target not in seen, f"bad migration target {target}"
+                t = by_id[target]
+                assert t.role is Role.ROLLOUT, f"migration target {target} is not a rollout cell"
+                take = min(room[target], need)
+                room[target] -= take
+                need -= take
+            assert need == 0, f"cell {a.cell_id} would interrupt {need} executions"
+    for a in actions:  # a cell that is being freed cannot also receive executions
+        for target in a.migrate_to:
+            assert target not in seen, f"migration target {target} is itself switching"

@@ -1,0 +1,169 @@
+"""The scheduler's gRPC API on a real server (port 0) and a real Redis: jobs, leases, events, cells."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from protos.gyre.v1 import scheduler_pb2 as pb
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.scheduler.jobs import ExecState, JobState, Mode, Role, TaskSource
+from services.scheduler.orchestrator import Orchestrator
+from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
+
+
+class NoActuator:
+    """These tests register no cells, so no switch is ever carried out."""
+
+    def switch(self, *args: object, **kw: object) -> None:
+        raise AssertionError("no switch expected")
+
+
+@pytest.fixture
+def sched(redis_url: str) -> InProcess:
+    with in_process_scheduler(redis_url, lease_ttl_s=0.5) as s:
+        yield s  # type: ignore[misc]
+
+
+def orchestrator(s: InProcess) -> Orchestrator:
+    return Orchestrator(s.state, NoActuator(), instance_id="test", metrics_event_interval_s=3600)
+
+
+def drain_step(s: InProcess, job_id: str, n: int) -> list[str]:
+    ids = []
+    for _ in range(n):
+        lease = s.client.lease("w", job_id=job_id)
+        assert lease is not None
+        s.client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
+        ids.append(lease.execution_id)
+    return ids
+
+
+def test_job_runs_through_steps_with_leases_training_reports_and_events(sched: InProcess) -> None:
+    s = sched
+    job = s.client.submit_job(job_spec(num_steps=2))
+    assert job.state is JobState.PENDING and job.spec == job_spec(num_steps=2)
+    orch = orchestrator(s)
+    assert orch.tick()
+    job = s.client.get_job("j1")
+    assert job.state is JobState.RUNNING and job.enqueued_steps == 1 and job.queued == 4
+
+    lease = s.client.lease("harness-1", wait_s=1.0)
+    assert lease is not None and lease.payload in (b"task-a", b"task-b") and lease.attempt == 1
+    s.client.heartbeat(lease.execution_id, lease.lease_token)
+    first = s.client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
+    again = s.client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
+    assert not first.duplicate and again.duplicate and again.state is ExecState.FINISHED
+    with pytest.raises(FailedPrecondition):
+        s.client.complete(lease.execution_id, "forged-token", ExecState.FINISHED)
+    with pytest.raises(FailedPrecondition, match="executions ended"):
+        s.client.report_training("j1", 0, "published", 1)
+    drain_step(s, "j1", 3)
+    assert s.client.lease("w", job_id="j1") is None  # colocate: step 1 waits for version 1
+
+    s.client.report_training("j1", 0, "started")
+    job, dup = s.client.report_training("j1", 0, "published", 1)
+    assert not dup and job.weight_version == 1 and job.current_step == 1
+    orch.tick()
+    assert s.client.get_job("j1").queued == 4
+    drain_step(s, "j1", 4)
+    job, _ = s.client.report_training("j1", 1, "published", 2)
+    assert job.state is JobState.COMPLETED
+
+    events = list(s.client.watch("j1", follow=False))
+    kinds = [e.kind for e in events]
+    assert kinds[:3] == ["job_submitted", "job_state", "step_started"]
+    assert kinds.count("execution_completed") == 8 and kinds.count("step_trained") == 2
+    assert kinds.count("group_done") == 4 and kinds[-1] == "job_state"
+    # resuming from an event id yields exactly the rest
+    tail = list(s.client.watch("j1", after_event_id=events[5].event_id, follow=False))
+    assert [e.event_id for e in tail] == [e.event_id for e in events[6:]]
+
+
+def test_watch_follows_until_the_job_ends(sched: InProcess) -> None:
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1))
+    orchestrator(s).tick()
+    seen: list[str] = []
+    t = threading.Thread(target=lambda: seen.extend(e.kind for e in s.client.watch("j1", timeout_s=30)))
+    t.start()
+    drain_step(s, "j1", 1)
+    s.client.report_training("j1", 0, "published", 1)
+    t.join(30)
+    assert not t.is_alive() and seen[-2:] == ["step_trained", "job_state"]
+
+
+def test_expired_lease_is_requeued_and_the_old_token_fenced(sched: InProcess) -> None:
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1))
+    orch = orchestrator(s)
+    orch.tick()
+    first = s.client.lease("w1")
+    assert first is not None and first.lease_ttl_s == pytest.approx(0.5)
+    time.sleep(0.7)  # no heartbeat: the lease expires
+    orch.tick()
+    assert s.client.get_execution(first.execution_id).state is ExecState.QUEUED
+    second = s.client.lease("w2", wait_s=2.0)
+    assert second is not None and second.execution_id == first.execution_id and second.attempt == 2
+    with pytest.raises(FailedPrecondition, match="not the current one"):
+        s.client.heartbeat(first.execution_id, first.lease_token)
+    with pytest.raises(FailedPrecondition):
+        s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
+    s.client.complete(second.execution_id, second.lease_token, ExecState.TIMEOUT, "deadline")
+    job = s.client.get_job("j1")
+    assert job.totals == {"finished": 0, "timeout": 1, "failed": 0, "requeued": 1} and job.done_in_step == 1
+
+
+def test_list_cancel_and_lease_wait(sched: InProcess) -> None:
+    s = sched
+    for i in range(5):
+        s.client.submit_job(job_spec(f"j{i}", cell_ids=(f"c{i}",)))
+    with pytest.raises(AlreadyExists):
+        s.client.submit_job(job_spec("j0"))
+    orchestrator(s).tick()  # disjoint cells: all admitted
+    page, token = s.client.list_jobs(page_size=2)
+    assert [j.job_id for j in page] == ["j0", "j1"] and token
+    rest, token2 = s.client.list_jobs(page_size=10, page_token=token)
+    assert [j.job_id for j in rest] == ["j2", "j3", "j4"] and token2 == ""
+    lease = s.client.lease("w", job_id="j3")
+    assert lease is not None
+    job, dropped = s.client.cancel_job("j3", "operator")
+    assert job.state is JobState.CANCELLED and dropped == 3
+    assert s.client.heartbeat(lease.execution_id, lease.lease_token)[2] is True
+    with pytest.raises(FailedPrecondition, match="cancelled"):
+        s.client.lease("w", job_id="j3")
+    cancelled, _ = s.client.list_jobs([JobState.CANCELLED])
+    assert [j.job_id for j in cancelled] == ["j3"]
+    # long-poll: an empty queue answers after wait_s with no lease
+    for j in ("j0", "j1", "j2", "j4"):
+        s.client.cancel_job(j)
+    t0 = time.monotonic()
+    assert s.client.lease("w", wait_s=0.3) is None
+    assert time.monotonic() - t0 >= 0.25
+
+
+def test_submit_without_id_and_with_generator(sched: InProcess) -> None:
+    p = pb.JobSpec(model="m", num_steps=1, groups_per_step=3, group_size=1, mode=pb.SCHEDULING_MODE_ELASTIC,
+                   staleness_bound=1)
+    p.tasks.generator.name = "numbered"
+    job = sched.client.submit_job(p)
+    assert job.job_id.startswith("job-") and job.spec.tasks.generator == "numbered"
+    orchestrator(sched).tick()
+    lease = sched.client.lease("w", job_id=job.job_id)
+    assert lease is not None and b'"group": 0' in lease.payload
+
+
+def test_cells_register_heartbeat_list_deregister(sched: InProcess) -> None:
+    c = sched.client
+    assert c.register_cell(cell_id="core", address="127.0.0.1:1", role=Role.TRAIN, is_core=True)
+    assert c.register_cell(cell_id="c1", address="127.0.0.1:2", role=Role.IDLE, kv_capacity_tokens=4096)
+    assert not c.register_cell(cell_id="c1", address="127.0.0.1:2", role=Role.ROLLOUT, kv_capacity_tokens=4096)
+    assert c.cell_heartbeat("c1", role=Role.ROLLOUT, inflight=2, kv_used_tokens=100,
+                            kv_capacity_tokens=4096) == (Role.ROLLOUT, None)
+    cells = {i.cell.cell_id: i for i in c.list_cells()}
+    assert cells["c1"].cell.inflight == 2 and cells["c1"].alive and cells["core"].cell.is_core
+    assert c.deregister_cell("c1") is Role.ROLLOUT
+    with pytest.raises(NotFound, match="RegisterCell"):
+        c.cell_heartbeat("c1", role=Role.ROLLOUT)
