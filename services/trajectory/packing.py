@@ -194,20 +194,26 @@ def split_tree(execution_id: str, tree: TreeArrays, token_budget: int) -> list[C
     return chunks
 
 
-def pack_chunks(chunks: Sequence[Chunk], token_budget: int) -> list[list[Chunk]]:
-    """First-fit decreasing into micro-batches of at most ``token_budget`` tokens (oversized chunks alone)."""
-    bins: list[list[Chunk]] = []
+def pack_sizes(sizes: Sequence[int], token_budget: int) -> list[list[int]]:
+    """First-fit decreasing of item ``sizes`` into bins of ``token_budget``; returns item indices per
+    bin (an item larger than the budget gets a bin of its own)."""
+    bins: list[list[int]] = []
     room: list[int] = []
-    for c in sorted(chunks, key=lambda c: -c.size):
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         for k, free in enumerate(room):
-            if c.size <= free:
-                bins[k].append(c)
-                room[k] -= c.size
+            if sizes[i] <= free:
+                bins[k].append(i)
+                room[k] -= sizes[i]
                 break
         else:
-            bins.append([c])
-            room.append(token_budget - c.size)
+            bins.append([i])
+            room.append(token_budget - sizes[i])
     return bins
+
+
+def pack_chunks(chunks: Sequence[Chunk], token_budget: int) -> list[list[Chunk]]:
+    """``pack_sizes`` over chunks."""
+    return [[chunks[i] for i in b] for b in pack_sizes([c.size for c in chunks], token_budget)]
 
 
 def assemble(chunks: Sequence[Chunk], *, step: int, advantages: Mapping[str, float],

@@ -206,6 +206,17 @@ class Outcome:
         return not self.excluded and self.reward is not None
 
 
+@dataclass(frozen=True)
+class IngestSummary:
+    """What one ingest call stored (mirrors gyre.v1.IngestSummary)."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    new_tokens: int = 0
+    record_tokens: int = 0
+    executions: int = 0
+
+
 # --------------------------------------------------------------------------- delta encoding
 class DeltaEncoder:
     """Per execution, encodes full prompts as deltas against the earlier call sharing the longest prefix.

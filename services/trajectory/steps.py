@@ -18,8 +18,28 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.trajectory.store import BatchMeta
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where a step stands (mirrors gyre.v1.StepPlan)."""
+
+    job_id: str
+    step: int
+    num_executions: int  # loss-weight denominator; 0 = not known yet
+    num_completed: int
+    num_trained: int
+    num_micro_batches: int
+    num_acked: int
+    sealed: bool
+    done: bool
+    token_budget: int
+    num_tokens: int
+    context_tokens: int
+    group_size: int
 
 
 class Done:
@@ -44,7 +64,7 @@ class StepQueue:
         self.metas: dict[str, BatchMeta] = {}
         self._pending: deque[str] = deque()
         self._leases: dict[str, tuple[str, float]] = {}  # batch id -> (consumer, deadline)
-        self.acked: set[str] = set()
+        self.acked: dict[str, str] = {}  # batch id -> consumer that acknowledged it ("" after a restart)
         self.sealed = False
 
     # ----------------------------------------------------------------- producers
@@ -53,7 +73,7 @@ class StepQueue:
             assert not self.sealed, "batch added to a sealed step"
             self.metas[meta.batch_id] = meta
             if acked:
-                self.acked.add(meta.batch_id)
+                self.acked[meta.batch_id] = ""
             else:
                 self._pending.append(meta.batch_id)
             self.cond.notify_all()
@@ -95,6 +115,10 @@ class StepQueue:
             if batch_id not in self.metas:
                 raise KeyError(batch_id)
             if batch_id in self.acked:
+                by = self.acked[batch_id]
+                if by and by != consumer:
+                    raise LeaseConflict(f"batch {batch_id!r} was acknowledged by consumer {by!r}, not {consumer!r}; "
+                                        "discard its result")
                 return False
             holder = self._leases.get(batch_id)
             if holder is None or holder[0] != consumer:
@@ -103,7 +127,7 @@ class StepQueue:
                     + (f" (it is leased to {holder[0]!r})" if holder else " (it is pending: its lease was returned)")
                     + "; discard its result")
             del self._leases[batch_id]
-            self.acked.add(batch_id)
+            self.acked[batch_id] = consumer
             self.cond.notify_all()
             return True
 

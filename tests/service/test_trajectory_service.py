@@ -1,0 +1,255 @@
+"""Trajectory service over real gRPC (port 0) with a real redis-server: ingest, streaming work queue,
+restart recovery and error statuses."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protos.gyre.v1 import common_pb2
+from services.common import errors
+from services.common.server import GyreServer
+from services.trajectory.client import TrajectoryClient
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.main import build_trajectory
+from services.trajectory.packing import PackedBatch
+from services.trajectory.records import DeltaEncoder, Outcome, Role, Status, TitoCall
+from services.trajectory.tree import ExecutionTree
+from tests.unit.trajectory_reference import NaiveTree, random_execution
+
+JOB = "job-1"
+
+
+@dataclass
+class Service:
+    server: GyreServer
+    client: TrajectoryClient
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def start(redis_url: str, tmp_path: Path) -> Iterator:
+    running: list[Service] = []
+
+    def _start(**overrides: object) -> Service:
+        cfg = TrajectoryConfig(**{"redis_url": redis_url, "spool_dir": str(tmp_path / "spool"), "port": 0,
+                                  "stream_poll_s": 0.05, "token_budget": 64, **overrides})
+        server, _ = build_trajectory(cfg)
+        server.start()
+        server.set_serving(True)
+        svc = Service(server, TrajectoryClient(f"127.0.0.1:{server.port}", timeout_s=20))
+        running.append(svc)
+        return svc
+
+    yield _start
+    for svc in running:
+        svc.stop()
+
+
+def execution(eid: str, seed: int, n_calls: int = 8) -> list[TitoCall]:
+    calls = random_execution(np.random.default_rng(seed), n_calls, 5, execution_id=eid, max_new=6)
+    return [TitoCall(**{**c.__dict__, "job_id": JOB}) for c in calls]
+
+
+def outcome(eid: str, group: str, reward: float | None, step: int = 0, **kw: object) -> Outcome:
+    return Outcome(eid, group, Status.FINISHED, reward, step=step, job_id=JOB, **kw)  # type: ignore[arg-type]
+
+
+def test_ingest_is_durable_idempotent_and_stats_match_the_tree(start) -> None:
+    svc = start()
+    calls = execution("e1", 1, 12)
+    summary = svc.client.ingest(calls, delta_encode=True)
+    tree = ExecutionTree("e1")
+    for c in calls:
+        tree.add(c)
+    assert summary.accepted == 12 and summary.duplicates == 0 and summary.new_tokens == tree.num_nodes
+    again = svc.client.ingest(calls[:5])  # full prompts this time: same content -> duplicates
+    assert again.accepted == 0 and again.duplicates == 5
+    stats = svc.client.execution_stats("e1", job_id=JOB)
+    assert (stats.paths, stats.naive_tokens, stats.tree_tokens, stats.trainable_tokens) == tuple(
+        tree.stats().as_dict().values())
+    assert stats.num_calls == 12 and stats.unique_tokens == tree.num_nodes and not stats.complete
+    capped = svc.client.execution_stats("e1", job_id=JOB, max_paths=1)
+    assert capped.paths == min(1, stats.paths)
+
+    # a restarted service rebuilds from Redis + spool and accepts deltas against old calls
+    svc.stop()
+    svc2 = start()
+    assert svc2.client.execution_stats("e1", job_id=JOB).tree_tokens == stats.tree_tokens
+    full = calls[-1].prompt_ids.tolist() + calls[-1].output_ids.tolist()
+    more = TitoCall("e1", "late", "a0", Role.MAIN, np.array([1, 2]), np.array([-0.5, -0.5]), 1,
+                    prompt_ids=np.array(full + [3]), job_id=JOB)
+    s = svc2.client.ingest([more])
+    assert s.accepted == 1 and s.record_tokens == 3  # stored as a 1-token delta + 2 output tokens
+
+
+def test_bad_records_get_clear_statuses(start) -> None:
+    svc = start(vocab_size=50)
+    ok = TitoCall("e", "c1", "a", Role.MAIN, np.array([5]), np.array([-0.1]), 0, prompt_ids=np.array([1, 2]),
+                  job_id=JOB)
+    svc.client.ingest([ok])
+    with pytest.raises(errors.AlreadyExists, match="already recorded with different content"):
+        svc.client.ingest([TitoCall(**{**ok.__dict__, "output_ids": np.array([6])})])
+    with pytest.raises(errors.InvalidArgument, match="outside the vocabulary"):
+        svc.client.ingest([TitoCall(**{**ok.__dict__, "call_id": "c2", "output_ids": np.array([77])})])
+
+    def raw(**kw: object) -> common_pb2.TitoRecord:
+        rec = common_pb2.TitoRecord(context=common_pb2.CallContext(job_id=JOB, execution_id="e", call_id="r",
+                                                                  agent_id="a", role=common_pb2.ROLE_MAIN),
+                                    prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-0.2])
+        for k, v in kw.items():
+            if k == "role":
+                rec.context.role = v  # type: ignore[assignment]
+            else:
+                field = getattr(rec, k)
+                del field[:]
+                field.extend(v)  # type: ignore[arg-type]
+        return rec
+
+    cases = [
+        (raw(output_logprobs=[-0.1, -0.2]), errors.InvalidArgument, "equally long"),
+        (raw(role=common_pb2.ROLE_UNSPECIFIED), errors.InvalidArgument, "role 0 is not"),
+        (raw(prompt_ids=[1, -4]), errors.InvalidArgument, "negative token id"),
+        (raw(prompt_ids=[]), errors.InvalidArgument, "prompt is empty"),
+    ]
+    for rec, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            svc.client.ingest([rec])
+    delta = raw(prompt_ids=[])
+    delta.delta.base_call_id = "missing"
+    delta.delta.shared_prefix_len = 1
+    with pytest.raises(errors.FailedPrecondition, match="has not recorded"):
+        svc.client.ingest([delta])
+    with pytest.raises(errors.NotFound):
+        svc.client.execution_stats("nope", job_id=JOB)
+
+
+def _drain(client: TrajectoryClient, step: int, consumer: str, out: list, *, limit: int | None = None) -> None:
+    for item in client.stream_batches(JOB, step, consumer):
+        out.append(item)
+        client.ack(JOB, step, item.batch_id, consumer)
+        if limit is not None and len(out) >= limit:
+            return
+
+
+def test_groups_stream_before_the_step_ends_and_weights_average_over_executions(start) -> None:
+    svc = start()
+    runs = {f"e{i}": execution(f"e{i}", 10 + i) for i in range(4)}
+    for calls in runs.values():
+        svc.client.ingest(calls, delta_encode=True)
+    plan = svc.client.open_step(JOB, 0, num_executions=4, group_size=2, token_budget=64)
+    assert plan.num_executions == 4 and plan.num_micro_batches == 0
+
+    rewards = {"e0": 1.0, "e1": 0.0, "e2": 0.25, "e3": 0.75}
+    svc.client.complete_execution(outcome("e0", "gA", rewards["e0"]))
+    _, plan = svc.client.complete_execution(outcome("e1", "gA", rewards["e1"]))
+    assert plan.num_micro_batches >= 1 and not plan.sealed  # group A is out while group B still rolls out
+    got: list = []
+    t = threading.Thread(target=_drain, args=(svc.client, 0, "r0", got))
+    t.start()
+    svc.client.complete_execution(outcome("e2", "gB", rewards["e2"]))
+    dup, plan = svc.client.complete_execution(outcome("e3", "gB", rewards["e3"]))
+    assert not dup and plan.sealed
+    t.join(timeout=20)
+    assert not t.is_alive(), "the stream must end once the sealed step is fully acknowledged"
+    plan = svc.client.step_plan(JOB, 0)
+    assert plan.done and plan.num_acked == plan.num_micro_batches == len(got)
+
+    advantage = {"e0": 0.5, "e1": -0.5, "e2": -0.25, "e3": 0.25}
+    total_w = 0.0
+    targets: dict[str, int] = {}
+    for item in got:
+        b: PackedBatch = item.batch
+        b.validate()
+        assert len(b) <= 64 and item.step_num_executions == 4
+        for k, eid in enumerate(b.execution_ids):
+            mine = (b.execution_index == k) & b.trainable
+            assert np.allclose(b.advantages[mine], advantage[eid])
+            targets[eid] = targets.get(eid, 0) + int(mine.sum())
+        total_w += float(b.loss_weights.sum())
+    assert total_w == pytest.approx(1.0, rel=1e-5)
+    for eid, calls in runs.items():
+        assert targets[eid] == NaiveTree(calls).stats(None)["trainable_tokens"]
+    # records of a packed execution are refused; outcomes of a sealed step too
+    with pytest.raises(errors.FailedPrecondition, match="already packed"):
+        svc.client.ingest([TitoCall(**{**runs["e0"][0].__dict__, "call_id": "late"})])
+    with pytest.raises(errors.FailedPrecondition, match="closed"):
+        svc.client.complete_execution(outcome("e9", "gC", 1.0))
+    assert svc.client.complete_execution(outcome("e0", "gA", 1.0))[0]  # identical resend
+    with pytest.raises(errors.AlreadyExists, match="different outcome"):
+        svc.client.complete_execution(outcome("e0", "gA", 0.0))
+
+
+def test_work_queue_hands_each_batch_once_and_rehands_a_lost_consumers_batch(start) -> None:
+    svc = start(max_in_flight=1)
+    for i in range(6):
+        svc.client.ingest(execution(f"w{i}", 100 + i, 10))
+        svc.client.complete_execution(outcome(f"w{i}", f"g{i % 2}", float(i), step=3,
+                                              excluded=(i == 5)))
+    plan = svc.client.close_step(JOB, 3)  # no OpenStep: released at close, weights over 5 trained executions
+    assert plan.sealed and plan.num_executions == 5 and plan.num_micro_batches >= 3
+
+    # consumer "lost" takes one batch and disappears without acknowledging it
+    lost = svc.client.stream_batches(JOB, 3, "lost")
+    first = next(iter(lost))
+    with pytest.raises(errors.FailedPrecondition, match="not leased to consumer 'other'"):
+        svc.client.ack(JOB, 3, first.batch_id, "other")
+    lost.cancel()
+
+    a: list = []
+    b: list = []
+    ta = threading.Thread(target=_drain, args=(svc.client, 3, "A", a))
+    tb = threading.Thread(target=_drain, args=(svc.client, 3, "B", b))
+    ta.start()
+    tb.start()
+    ta.join(timeout=30)
+    tb.join(timeout=30)
+    assert not ta.is_alive() and not tb.is_alive()
+    ids = [x.batch_id for x in a + b]
+    assert len(ids) == len(set(ids)) == plan.num_micro_batches  # each batch exactly once ...
+    assert first.batch_id in ids  # ... including the one the lost consumer never acknowledged
+    assert {e for x in a + b for e in x.batch.execution_ids} == {f"w{i}" for i in range(5)}  # w5 excluded
+    with pytest.raises(errors.FailedPrecondition, match="acknowledged by consumer"):
+        svc.client.ack(JOB, 3, first.batch_id, "lost")  # too late: someone else trained on it
+
+
+def test_restart_keeps_batches_acks_and_unreleased_groups(start) -> None:
+    svc = start(collect_done_steps=False)
+    for i in range(4):
+        svc.client.ingest(execution(f"r{i}", 200 + i, 10))
+    svc.client.open_step(JOB, 1, num_executions=4, group_size=2)
+    svc.client.complete_execution(outcome("r0", "g0", 1.0, step=1))
+    svc.client.complete_execution(outcome("r1", "g0", 0.0, step=1))
+    svc.client.complete_execution(outcome("r2", "g1", 1.0, step=1))  # group g1 incomplete at the crash
+    before = svc.client.step_plan(JOB, 1)
+    got: list = []
+    _drain(svc.client, 1, "c", got, limit=1)
+    svc.stop()
+
+    svc2 = start(collect_done_steps=False)
+    plan = svc2.client.step_plan(JOB, 1)
+    assert plan.num_micro_batches == before.num_micro_batches and plan.num_acked == 1 and not plan.sealed
+    svc2.client.complete_execution(outcome("r3", "g1", 0.0, step=1))
+    rest: list = []
+    _drain(svc2.client, 1, "c", rest)
+    assert got[0].batch_id not in {x.batch_id for x in rest}
+    total = sum(float(x.batch.loss_weights.sum()) for x in got + rest)
+    assert total == pytest.approx(1.0, rel=1e-5)
+    assert svc2.client.step_plan(JOB, 1).done
+
+
+def test_full_prompt_delta_encoder_matches_the_service(start) -> None:
+    svc = start()
+    calls = execution("d", 7, 10)
+    enc = DeltaEncoder()
+    encoded = [enc.encode_call(c) for c in calls]
+    s = svc.client.ingest(encoded)
+    assert s.record_tokens == sum(c.stored_tokens for c in encoded) < sum(c.stored_tokens for c in calls)
