@@ -10,7 +10,8 @@ we returned):
     turn k:   messages M_k --render(add_generation_prompt)--> text T_k --tokenize--> P_k
               model output ids O_k, returned as text C_k (stop id stripped)
     turn k+1: messages M_k + [assistant C_k] + new  --render--> T_{k+1}
-              if T_{k+1} starts with T_k + C_k:   P_{k+1} = P_k + O_k + tokenize(rest)
+              if T_{k+1} starts with T_k, then C_k (up to template whitespace between them):
+                  P_{k+1} = P_k + O_k + tokenize(rest)
               (the end-of-turn text of a stop id the model emitted is not tokenized again)
               else: tokenize T_{k+1} from scratch (a new branch, logged by the caller)
 
@@ -156,12 +157,19 @@ class PromptCache:
 
     # -- internals -----------------------------------------------------------------------------
     def _splice(self, state: ConversationState, text: str) -> np.ndarray | None:
-        head = state.prompt_text + state.output_text
-        if not text.startswith(head):
+        if not text.startswith(state.prompt_text):
             return None
-        rest = text[len(head):]
-        if state.stop_text and rest.startswith(state.stop_text):
-            rest = rest[len(state.stop_text):]  # the model already emitted this end-of-turn id
+        rest = text[len(state.prompt_text):]
+        content = state.output_text
+        if not rest.startswith(content):
+            # Templates may put whitespace between the generation prompt and the content (which the
+            # model never saw): skip it, the model's own ids follow the prompt directly.
+            rest, content = rest.lstrip(), content.lstrip()
+            if not rest.startswith(content):
+                return None
+        rest = rest[len(content):]
+        if state.stop_text and rest.lstrip().startswith(state.stop_text):
+            rest = rest.lstrip()[len(state.stop_text):]  # the model already emitted this end-of-turn id
         tail = self._encode(rest) if rest else np.zeros(0, dtype=np.int32)
         return np.concatenate([state.prompt_ids, state.output_ids, tail]).astype(np.int32)
 

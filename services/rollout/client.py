@@ -19,6 +19,7 @@ import numpy as np
 
 from protos.gyre.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import errors
+from services.common.security import open_channel
 from services.rollout import wire
 from services.rollout.calls import CallMeta, CallResult, EngineLost, MigrationReport, Piece, concat
 from services.rollout.engine import SamplingParams
@@ -46,13 +47,6 @@ def domain_error(exc: grpc.RpcError, *, lost: type[errors.GyreError] = errors.Un
         err.code = code
         return err
     return cls(details)
-
-
-def channel_options(max_message_mb: int) -> list[tuple[str, Any]]:
-    limit = max_message_mb * 1024 * 1024
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class PieceStream:
@@ -89,7 +83,7 @@ class EngineClient:
     def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 30.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_mb))
+        self._channel = open_channel(address, max_message_mb=max_message_mb)
         self._stub = rollout_pb2_grpc.EngineStub(self._channel)
 
     def close(self) -> None:
@@ -142,8 +136,9 @@ class EngineClient:
     def get_load(self, timeout_s: float | None = None) -> rollout_pb2.EngineLoad:
         return self._unary(self._stub.GetLoad, rollout_pb2.GetLoadRequest(), timeout_s)
 
-    def drain(self, wait_s: float = 0.0) -> int:
-        resp = self._unary(self._stub.Drain, rollout_pb2.DrainRequest(wait_s=wait_s), wait_s + self.timeout_s)
+    def drain(self, wait_s: float = 0.0, *, cancel: bool = False) -> int:
+        req = rollout_pb2.DrainRequest(wait_s=wait_s, cancel=cancel)
+        resp = self._unary(self._stub.Drain, req, wait_s + self.timeout_s)
         return int(resp.active)
 
     def update_weights(self, state_dict: dict[str, Any], version: int, *,
@@ -179,7 +174,7 @@ class GatewayClient:
     def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 3600.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_mb))
+        self._channel = open_channel(address, max_message_mb=max_message_mb)
         self._stub = rollout_pb2_grpc.GatewayStub(self._channel)
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ from services.rollout.calls import (CallMeta, CallResult, EngineLost, MigrationR
                                     check_prompt, check_stop_ids, concat)
 from services.rollout.engine import SamplingParams
 from services.rollout.router import DEAD, DRAINING, READY, EngineEntry, Router
-from services.rollout.tito import TitoCall
+from services.trajectory.records import TitoCall
 
 log = get_logger(__name__)
 
@@ -80,7 +80,7 @@ class EngineConn(Protocol):
     def attach(self, request_id: str, wait_s: float) -> PieceSource: ...
     def migrate_out(self, request_ids: list[str], target_address: str, transport: str) -> list[MigrationReport]: ...
     def get_load(self, timeout_s: float | None = None) -> Any: ...
-    def drain(self, wait_s: float) -> int: ...
+    def drain(self, wait_s: float, *, cancel: bool = False) -> int: ...
     def close(self) -> None: ...
 
 
@@ -173,6 +173,10 @@ class Gateway:
     # -- engines ----------------------------------------------------------------------------
     def register_engine(self, cell_id: str, address: str) -> EngineEntry:
         entry = self.router.register(cell_id, address)
+        try:
+            self.conn(address).drain(0.0, cancel=True)  # registered = serving: undo an earlier drain
+        except Exception as exc:  # deliberate: it may still be starting; probes follow it
+            log.warning("engine not reachable at registration", cell_id=cell_id, error=str(exc))
         self._probe(entry)
         log.info("engine registered", cell_id=cell_id, address=address, state=entry.state)
         return entry
@@ -195,7 +199,7 @@ class Gateway:
         self.router.record_probe(entry.cell_id, ok=True, active=load.active, kv_tokens=load.kv_tokens,
                                  capacity_tokens=load.capacity_tokens, weight_version=load.weight_version,
                                  vocab_size=load.vocab_size, max_context=load.max_context,
-                                 model_name=load.model_name)
+                                 model_name=load.model_name, draining=load.draining)
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.probe_interval_s):
@@ -365,10 +369,13 @@ class Gateway:
         TOKENS.labels("prompt").inc(len(call.prompt_ids))
         TOKENS.labels("output").inc(len(ids))
         self.calls.put(call.meta.execution_id, call.meta.call_id, np.concatenate([call.prompt_ids, ids]))
-        if self.on_record is not None:
+        if self.on_record is not None and call.meta.execution_id:
             m = call.meta
-            self.on_record(TitoCall(m.job_id, m.execution_id, m.call_id, m.agent_id, m.role, call.prompt_ids,
-                                    ids, lps, max(call.weight_version, 0), call.finish_reason, time.time()))
+            self.on_record(TitoCall(
+                execution_id=m.execution_id, call_id=m.call_id or call.request_id, agent_id=m.agent_id,
+                role=m.role, output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
+                prompt_ids=call.prompt_ids, job_id=m.job_id, finished_at_s=time.time(),
+                finish_reason=call.finish_reason))
 
     # -- draining ---------------------------------------------------------------------------
     def drain_engine(self, cell_id: str, transport: str = "auto", *, keep_registered: bool = False,

@@ -49,9 +49,10 @@ MIGRATION_SECONDS = Histogram("gyre_rollout_engine_migration_seconds",
                               "Export-to-sent time of one request.", ["transport"], registry=REGISTRY,
                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
-# Fallback chain per requested transport ("reprefill" = send the state without KV).
-CHAINS = {"auto": ("ucx", "tcp", "reprefill"), "ucx": ("ucx", "tcp", "reprefill"),
-          "tcp": ("tcp", "reprefill"), "reprefill": ("reprefill",)}
+# Fallback chain per requested transport ("reprefill" = send the state without KV). UCX -> TCP
+# happens inside kv_transport (same receiver); a refused or undeliverable state tries re-prefill.
+CHAINS = {"auto": ("ucx", "reprefill"), "ucx": ("ucx", "reprefill"), "tcp": ("tcp", "reprefill"),
+          "reprefill": ("reprefill",)}
 # Finished channels nobody attached to are forgotten after this long.
 UNCLAIMED_TTL_S = 120.0
 
@@ -144,11 +145,12 @@ class EngineHost:
     """See module docstring. Thread-safe."""
 
     def __init__(self, engine: InferenceEngine, *, cell_id: str, address: str = "",
-                 kv_kinds: tuple[str, ...] = ("ucx", "tcp")) -> None:
+                 kv_kinds: tuple[str, ...] = ("ucx", "tcp"), kv_host: str = "127.0.0.1") -> None:
         self.engine = engine
         self.cell_id = cell_id
         self.address = address  # this engine's gRPC address, set once the server is bound
         self.kv_kinds = kv_kinds
+        self.kv_host = kv_host  # interface the KV receivers bind and advertise
         self.draining = False
         self._channels: dict[str, RequestChannel] = {}
         self._receivers: dict[str, str] = {}
@@ -160,6 +162,7 @@ class EngineHost:
         self.engine.start()
 
     def stop(self) -> None:
+        self.close_receivers()
         self.engine.stop(drain=False)
 
     # -- requests ----------------------------------------------------------------------------
@@ -234,10 +237,13 @@ class EngineHost:
             del self._channels[rid]
 
     # -- drain / load ------------------------------------------------------------------------
-    def drain(self, wait_s: float) -> int:
-        """Stop accepting requests; wait up to ``wait_s`` for active ones to finish or leave."""
+    def drain(self, wait_s: float, *, cancel: bool = False) -> int:
+        """Stop accepting requests; wait up to ``wait_s`` for active ones to finish or leave.
+        ``cancel``: accept requests again instead."""
         with self._cond:
-            self.draining = True
+            self.draining = not cancel
+        if cancel:
+            return len(self.engine.active_requests())
         deadline = time.monotonic() + wait_s
         while self.engine.active_requests() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -250,21 +256,34 @@ class EngineHost:
 
     # -- migration: receiving side -----------------------------------------------------------
     def accept(self, kind: str) -> tuple[str, str]:
-        """A receiver address for ``kind`` ("ucx" | "tcp"); UCX unavailable here -> TCP."""
+        """A receiver address for ``kind`` ("ucx" | "tcp"); a UCX receiver without ucxx serves TCP
+        (its address then starts with tcp://). Kinds this engine does not offer fall back too."""
         from services.rollout import kv_transport
 
         kinds = [kind] + [k for k in self.kv_kinds if k != kind] if kind in self.kv_kinds else list(self.kv_kinds)
         with self._recv_lock:
             for k in kinds:
                 if k in self._receivers:
-                    return k, self._receivers[k]
+                    return self._scheme(self._receivers[k]), self._receivers[k]
                 try:
-                    self._receivers[k] = kv_transport.make_receiver(k, self._on_state)
-                    return k, self._receivers[k]
+                    self._receivers[k] = kv_transport.make_receiver(k, self._on_state, host=self.kv_host)
+                    return self._scheme(self._receivers[k]), self._receivers[k]
                 except Exception as exc:  # deliberate: fall back to the next transport
                     MIGRATION_FALLBACKS.labels(k).inc()
                     self.log.warning("kv receiver unavailable; falling back", kind=k, error=str(exc))
         raise Unavailable(f"engine {self.cell_id} has no working KV receiver ({', '.join(kinds)})")
+
+    @staticmethod
+    def _scheme(address: str) -> str:
+        return address.split("://", 1)[0]
+
+    def close_receivers(self) -> None:
+        from services.rollout import kv_transport
+
+        with self._recv_lock:
+            for address in self._receivers.values():
+                kv_transport.close_receiver(address)
+            self._receivers.clear()
 
     def _on_state(self, state: MigrationState) -> None:
         """Receiver callback: resume an incoming request here (KV import, or re-prefill)."""
@@ -276,13 +295,18 @@ class EngineHost:
                 return
             self._channels[req.request_id] = channel
             self._cond.notify_all()
-        if state.kv:
-            self.engine.import_request(state, channel.on_event)
-            MIGRATIONS_IN.labels("kv").inc()
-        else:
-            self.engine.reprefill_request(req, state.generated_ids, state.generated_logprobs,
-                                          state.rng_state or None, state.weight_version, channel.on_event)
-            MIGRATIONS_IN.labels("reprefill").inc()
+        try:
+            if state.kv:
+                self.engine.import_request(state, channel.on_event)
+            else:
+                self.engine.reprefill_request(req, state.generated_ids, state.generated_logprobs,
+                                              state.rng_state or None, state.weight_version, channel.on_event)
+        except BaseException:
+            with self._cond:  # refused (e.g. weight-version policy): the sender keeps the request
+                if self._channels.get(req.request_id) is channel:
+                    del self._channels[req.request_id]
+            raise
+        MIGRATIONS_IN.labels("kv" if state.kv else "reprefill").inc()
         self.log.info("request migrated in", request_id=req.request_id, kv_tokens=state.kv_tokens,
                       generated=len(state.generated_ids))
 
@@ -308,34 +332,35 @@ class EngineHost:
         for kind in CHAINS[transport]:
             try:
                 wire = "tcp" if kind == "reprefill" else kind
-                got, address, target_cell = target.accept(wire, [rid])
-                if got != wire:
-                    MIGRATION_FALLBACKS.labels(kind).inc()
-                    kind = got
+                _got, address, target_cell = target.accept(wire, [rid])
                 payload = replace(state, kv=[]) if kind == "reprefill" else state
                 from services.rollout import kv_transport
 
-                nbytes = kv_transport.send_state(got, address, payload)
+                sent = kv_transport.send_state_ex(wire, address, payload)
             except Exception as exc:  # deliberate: next transport in the chain
                 MIGRATION_FALLBACKS.labels(kind).inc()
                 errors.append(f"{kind}: {type(exc).__name__}: {exc}")
                 self.log.warning("migration transport failed; falling back", request_id=rid,
                                  transport=kind, error=str(exc))
                 continue
+            # What actually happened: no KV moved = the target re-prefills; UCX may have become TCP.
+            used = "reprefill" if not payload.kv else sent.transport
+            if sent.fallback:
+                MIGRATION_FALLBACKS.labels(kind).inc()
             duration = time.perf_counter() - t0
             if channel is not None:
                 channel.put_migrated(target.address)
                 with self._cond:
                     if self._channels.get(rid) is channel:
                         del self._channels[rid]
-            MIGRATIONS_OUT.labels(kind, "true").inc()
-            MIGRATION_BYTES.labels(kind).inc(nbytes)
-            MIGRATION_SECONDS.labels(kind).observe(duration)
-            self.log.info("request migrated out", request_id=rid, transport=kind, bytes=nbytes,
-                          duration_s=round(duration, 4), target_cell_id=target_cell)
-            return MigrationReport(rid, self.cell_id, target_cell, kind, nbytes, duration,
-                                   state.kv_tokens or len(state.request.prompt_ids) + len(state.generated_ids),
-                                   True)
+            MIGRATIONS_OUT.labels(used, "true").inc()
+            MIGRATION_BYTES.labels(used).inc(sent.bytes_sent)
+            MIGRATION_SECONDS.labels(used).observe(duration)
+            context = len(state.request.prompt_ids) + len(state.generated_ids)
+            self.log.info("request migrated out", request_id=rid, transport=used, bytes=sent.bytes_sent,
+                          duration_s=round(duration, 4), target_cell_id=target_cell, context_tokens=context)
+            return MigrationReport(rid, self.cell_id, target_cell, used, sent.bytes_sent, duration,
+                                   state.kv_tokens or context, True)
         # Every transport failed: keep the request here; its stream never noticed.
         if channel is not None:
             self.engine.import_request(state, channel.on_event)

@@ -125,8 +125,10 @@ class Router:
                 raise NotFound(f"no engine is registered for cell {cell_id!r}")
             entry.state = state
 
-    def record_probe(self, cell_id: str, *, ok: bool, dead_after: int = 3, **load: int | str) -> None:
-        """Fold one health/load probe into the entry; ``dead_after`` failures in a row mark it dead."""
+    def record_probe(self, cell_id: str, *, ok: bool, dead_after: int = 3, draining: bool = False,
+                     **load: int | str) -> None:
+        """Fold one health/load probe into the entry; ``dead_after`` failures in a row mark it dead,
+        an engine that says it drains is not routable."""
         with self._lock:
             entry = self._engines.get(cell_id)
             if entry is None:
@@ -139,7 +141,9 @@ class Router:
             entry.failed_probes = 0
             for key, value in load.items():
                 setattr(entry, key, value)
-            if entry.state == DEAD:
+            if draining:
+                entry.state = DRAINING
+            elif entry.state == DEAD:
                 entry.state = READY  # came back (same address, e.g. a restarted process)
 
     # -- routing ----------------------------------------------------------------------------

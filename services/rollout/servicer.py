@@ -155,7 +155,7 @@ class EngineServicer(rollout_pb2_grpc.EngineServicer):
     def Drain(self, request: rollout_pb2.DrainRequest, context: grpc.ServicerContext) -> Any:
         if request.wait_s < 0:
             raise InvalidArgument(f"wait_s must be >= 0, got {request.wait_s}")
-        return rollout_pb2.DrainResponse(active=self.host.drain(request.wait_s))
+        return rollout_pb2.DrainResponse(active=self.host.drain(request.wait_s, cancel=request.cancel))
 
 
 def engine_info(e: EngineEntry) -> rollout_pb2.EngineInfo:

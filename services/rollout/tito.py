@@ -1,6 +1,6 @@
-"""TITO records of finished calls and their asynchronous forwarding to the trajectory service.
+"""Asynchronous forwarding of TITO records (finished calls) to the trajectory service.
 
-The gateway produces one ``TitoCall`` per finished model call and hands it to a
+The gateway produces one ``services.trajectory.records.TitoCall`` per finished call and hands it to a
 ``TitoForwarder``, which never blocks the caller:
 
     gateway threads --submit()--> bounded queue --> forwarder thread --sink(batch)--> trajectory
@@ -16,15 +16,13 @@ from __future__ import annotations
 import queue
 import random
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client import Counter, Gauge
 
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
+from services.trajectory.records import TitoCall
 
 log = get_logger(__name__)
 
@@ -35,37 +33,6 @@ TITO_DROPPED = Counter("gyre_rollout_tito_dropped_total",
 TITO_RETRIES = Counter("gyre_rollout_tito_retries_total", "Failed attempts to deliver a TITO batch.",
                        registry=REGISTRY)
 TITO_QUEUE = Gauge("gyre_rollout_tito_queue", "TITO records waiting to be forwarded.", registry=REGISTRY)
-
-
-@dataclass(frozen=True)
-class TitoCall:
-    """One model call exactly as the engine saw it. ``len(output_ids) == len(output_logprobs)``."""
-
-    job_id: str
-    execution_id: str
-    call_id: str
-    agent_id: str
-    role: str  # "main" | "subagent" | "summary"
-    prompt_ids: np.ndarray  # int32
-    output_ids: np.ndarray  # int32
-    output_logprobs: np.ndarray  # float32
-    weight_version: int
-    finish_reason: str
-    finished_at_s: float
-
-    def __post_init__(self) -> None:
-        assert len(self.output_ids) == len(self.output_logprobs), "one logprob per output token"
-
-    def to_json(self) -> dict[str, object]:
-        """The JSONL form of DESIGN.md ("TITO records")."""
-        return {
-            "job_id": self.job_id, "execution_id": self.execution_id, "call_id": self.call_id,
-            "agent_id": self.agent_id, "role": self.role,
-            "prompt_ids": self.prompt_ids.tolist(), "output_ids": self.output_ids.tolist(),
-            "output_logprobs": self.output_logprobs.tolist(),
-            "weight_version": self.weight_version, "finish_reason": self.finish_reason,
-            "finished_at_s": self.finished_at_s,
-        }
 
 
 Sink = Callable[[list[TitoCall]], None]

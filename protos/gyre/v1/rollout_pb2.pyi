@@ -210,10 +210,12 @@ class EngineLoad(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., active: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., draining: _Optional[bool] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("wait_s",)
+    __slots__ = ("wait_s", "cancel")
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     wait_s: float
-    def __init__(self, wait_s: _Optional[float] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, wait_s: _Optional[float] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("active",)

@@ -147,7 +147,7 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stops accepting new requests (NOT_SERVING); in-flight ones finish or migrate.
+        """Stops accepting new requests; in-flight ones finish or migrate. cancel=true undoes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,100 @@
+"""Configs of the two rollout processes: ``EngineConfig`` (gyre-engine, one ROLLOUT cell) and
+``GatewayConfig`` (gyre-gateway). Sections ``[engine]`` / ``[gateway]`` of the TOML config, env
+``GYRE_ENGINE_<FIELD>`` / ``GYRE_GATEWAY_<FIELD>``, or ``--field value`` flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import ServerConfig, check, setting
+
+KV_KINDS = ("ucx", "tcp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(ServerConfig):
+    """A ROLLOUT cell hosting a ``TorchEngine``."""
+
+    max_workers: int = setting(1024, "Threads serving RPCs: one per concurrent stream (>= max_batch_size).")
+    cell_id: str = setting("cell-0", "Id of the cell this engine serves (the scheduler's cell id).")
+    model: str = setting("builtin-tiny", "Local checkpoint directory, 'builtin-tiny' (the task's warm-started "
+                                         "tiny model, built on first use) or 'random-tiny' (random init).")
+    model_cache_dir: str = setting(".gyre/models", "Where the built-in model is built and cached.")
+    device: str = setting("auto", "cpu, cuda, cuda:N or auto (cuda when available).")
+    dtype: str = setting("auto", "Weights dtype: auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16.")
+    max_batch_size: int = setting(64, "Requests decoded together in one engine step.")
+    max_context_tokens: int = setting(0, "Longest prompt + output, tokens; 0 = the model's own limit.")
+    kv_capacity_tokens: int = setting(0, "KV cache budget, tokens; 0 = max_batch_size x max context.")
+    prefill_chunk_tokens: int = setting(4096, "Prompt tokens prefilled per engine step and request.")
+    weight_policy: str = setting("recompute", "On a weight update: 'recompute' in-flight KV under the new "
+                                              "version, or 'finish_on_old' (update waits for them).")
+    torch_threads: int = setting(0, "torch intra-op threads; 0 = torch's default.")
+    kv_transports: tuple[str, ...] = setting(KV_KINDS, "KV receivers offered for incoming migrations, "
+                                                       "in preference order (ucx, tcp).")
+    attach_wait_s: float = setting(30.0, "How long Attach waits for a migrating request to arrive, seconds.")
+    gateway_address: str = setting("", "Gateway to register with at start (and leave at stop); empty = none.")
+    advertise_host: str = setting("", "Host other processes reach this engine by; empty = host.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(bool(self.cell_id), "cell_id", self.cell_id, "a non-empty cell id")
+        check(bool(self.model), "model", self.model, "a checkpoint directory, 'builtin-tiny' or 'random-tiny'")
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+              "auto, float32, bfloat16 or float16")
+        check(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "at least 1")
+        check(self.max_context_tokens == 0 or self.max_context_tokens >= 2, "max_context_tokens",
+              self.max_context_tokens, "0 or at least 2")
+        check(self.kv_capacity_tokens >= 0, "kv_capacity_tokens", self.kv_capacity_tokens, ">= 0")
+        check(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens", self.prefill_chunk_tokens, "at least 1")
+        check(self.weight_policy in ("recompute", "finish_on_old"), "weight_policy", self.weight_policy,
+              "'recompute' or 'finish_on_old'")
+        check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
+        check(bool(self.kv_transports) and all(k in KV_KINDS for k in self.kv_transports), "kv_transports",
+              self.kv_transports, "a non-empty list of ucx / tcp")
+        check(self.attach_wait_s > 0, "attach_wait_s", self.attach_wait_s, "> 0 seconds")
+        check(self.max_workers >= self.max_batch_size, "max_workers", self.max_workers,
+              f"at least max_batch_size ({self.max_batch_size}): every running request holds a stream")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig(ServerConfig):
+    """The rollout gateway: gRPC TITO + OpenAI-compatible HTTP, routing, migration, TITO forwarding."""
+
+    max_workers: int = setting(1024, "Threads serving RPCs: one per concurrent call stream.")
+    engine_addresses: tuple[str, ...] = setting((), "Engines to register at start: 'host:port' (cell id "
+                                                    "asked from the engine) or 'cell_id=host:port'.")
+    http_port: int = setting(-1, "OpenAI-compatible HTTP port; -1 = off, 0 = any free port.")
+    http_host: str = setting("127.0.0.1", "Interface the HTTP endpoint binds.")
+    http_max_body_mb: int = setting(64, "Largest HTTP request body, MiB (413 beyond).")
+    tokenizer_path: str = setting("", "HF tokenizer directory with a chat template (for HTTP); "
+                                      "'builtin-tiny' = the built-in model's; empty = HTTP needs token ids.")
+    model_cache_dir: str = setting(".gyre/models", "Where the built-in model (and its tokenizer) is cached.")
+    served_model_name: str = setting("gyre", "Model name the HTTP endpoint serves (/v1/models).")
+    default_max_tokens: int = setting(256, "max_tokens of HTTP calls that do not set it.")
+    trajectory_address: str = setting("", "Trajectory service receiving TITO records; empty = not forwarded.")
+    job_id: str = setting("", "Job id stamped on TITO records of calls that carry none.")
+    sticky_slack: int = setting(4, "Calls an agent's engine may be busier than the least loaded before moving.")
+    attach_wait_s: float = setting(30.0, "How long a migrated stream waits to re-attach on its target, seconds.")
+    max_recoveries: int = setting(3, "Engine losses one call survives (re-prefill each time) before failing.")
+    probe_interval_s: float = setting(2.0, "Engine load/health probe period, seconds.")
+    call_cache_tokens: int = setting(16_000_000, "Tokens of recent calls kept for prompt deltas.")
+    prompt_cache_tokens: int = setting(8_000_000, "Tokens of recent HTTP conversations kept for exact-id reuse.")
+    tito_queue: int = setting(10_000, "TITO records buffered for the trajectory service before dropping.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for a in self.engine_addresses:
+            check(":" in a.split("=", 1)[-1], "engine_addresses", a, "'host:port' or 'cell_id=host:port'")
+        check(-1 <= self.http_port < 65536, "http_port", self.http_port, "-1, 0 or a port")
+        check(self.http_max_body_mb >= 1, "http_max_body_mb", self.http_max_body_mb, "at least 1")
+        check(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "at least 1")
+        check(self.sticky_slack >= 0, "sticky_slack", self.sticky_slack, ">= 0")
+        check(self.attach_wait_s > 0, "attach_wait_s", self.attach_wait_s, "> 0 seconds")
+        check(self.max_recoveries >= 0, "max_recoveries", self.max_recoveries, ">= 0")
+        check(self.probe_interval_s > 0, "probe_interval_s", self.probe_interval_s, "> 0 seconds")
+        check(self.call_cache_tokens >= 1, "call_cache_tokens", self.call_cache_tokens, "at least 1")
+        check(self.prompt_cache_tokens >= 1, "prompt_cache_tokens", self.prompt_cache_tokens, "at least 1")
+        check(self.tito_queue >= 1, "tito_queue", self.tito_queue, "at least 1")
+        check(not (self.http_port >= 0 and not self.tokenizer_path), "tokenizer_path", self.tokenizer_path,
+              "a tokenizer directory (or 'builtin-tiny') when http_port is enabled")

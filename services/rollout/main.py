@@ -1,0 +1,159 @@
+"""Entry points of the rollout service: ``gyre-engine`` (a ROLLOUT cell) and ``gyre-gateway``.
+
+    python -m services.rollout.engine_main --cell-id cell-1 --model builtin-tiny --port 50061
+    python -m services.rollout.gateway_main --engine-addresses 127.0.0.1:50061 --http-port 8000 \\
+        --tokenizer-path builtin-tiny --trajectory-address 127.0.0.1:50051
+
+Heavy imports (torch, transformers) happen inside the build functions, so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from protos.gyre.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.entry import Built, run_service
+from services.common.logging import get_logger
+from services.common.server import build_server, wait_for_ready
+from services.rollout.config import EngineConfig, GatewayConfig
+
+log = get_logger(__name__)
+
+ENGINE_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+GATEWAY_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+def _load_engine(cfg: EngineConfig) -> Any:
+    import torch
+
+    from services.rollout.torch_engine import TorchEngine, build_tiny_model
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    kwargs: dict[str, Any] = dict(
+        max_batch_size=cfg.max_batch_size, max_context=cfg.max_context_tokens or None,
+        kv_capacity_tokens=cfg.kv_capacity_tokens or None, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+        weight_policy=cfg.weight_policy, torch_threads=cfg.torch_threads or None)
+    if cfg.model == "random-tiny":
+        return TorchEngine(build_tiny_model(), model_name="random-tiny", device=cfg.device, **kwargs)
+    path = cfg.model
+    if path == "builtin-tiny":
+        from services.task.model import ensure_builtin_model
+
+        path = str(ensure_builtin_model(cfg.model_cache_dir))
+    return TorchEngine.from_pretrained(path, dtype=cfg.dtype, device=cfg.device, **kwargs)
+
+
+def build_engine(cfg: EngineConfig) -> Built:
+    from services.rollout.client import EngineClient, GatewayClient
+    from services.rollout.host import EngineHost
+    from services.rollout.servicer import EngineServicer
+
+    advertised = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1")
+    host = EngineHost(_load_engine(cfg), cell_id=cfg.cell_id, kv_kinds=cfg.kv_transports, kv_host=advertised)
+    servicer = EngineServicer(host, connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),
+                              attach_wait_s=cfg.attach_wait_s)
+    server = build_server("engine", [(rollout_pb2_grpc.add_EngineServicer_to_server, servicer)],
+                          service_names=[ENGINE_SERVICE], host=cfg.host, port=cfg.port,
+                          max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
+    host.address = f"{advertised}:{server.port}"
+    host.start()
+
+    def register() -> None:  # once we serve, so the gateway's first probe succeeds
+        wait_for_ready(host.address)
+        GatewayClient(cfg.gateway_address).register_engine(cfg.cell_id, host.address)
+        log.info("registered with gateway", gateway=cfg.gateway_address, cell_id=cfg.cell_id)
+
+    if cfg.gateway_address:
+        threading.Thread(target=register, name="register", daemon=True).start()
+
+    def on_shutdown() -> None:
+        if cfg.gateway_address:
+            try:
+                GatewayClient(cfg.gateway_address).deregister_engine(cfg.cell_id)
+            except Exception as exc:  # deliberate: the gateway may already be gone
+                log.warning("deregister failed", error=str(exc))
+        left = host.drain(cfg.grace_s)
+        log.info("engine stopping", cell_id=cfg.cell_id, unfinished=left)
+        host.stop()
+
+    return server, on_shutdown
+
+
+def _tito_sink(cfg: GatewayConfig) -> Any:
+    """Delta-encode per execution, then ``TrajectoryClient.ingest``."""
+    from services.trajectory.client import TrajectoryClient
+    from services.trajectory.records import DeltaEncoder
+
+    client = TrajectoryClient(cfg.trajectory_address)
+    encoder = DeltaEncoder()  # used only by the forwarder thread
+
+    def sink(batch: list[Any]) -> None:
+        client.ingest([encoder.encode_call(c) for c in batch])
+
+    return sink
+
+
+def _load_tokenizer(cfg: GatewayConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    path = cfg.tokenizer_path
+    if path == "builtin-tiny":
+        from services.task.model import ensure_builtin_model
+
+        path = str(ensure_builtin_model(cfg.model_cache_dir))
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def build_gateway(cfg: GatewayConfig) -> Built:
+    from services.rollout.call_cache import CallCache
+    from services.rollout.client import EngineClient
+    from services.rollout.gateway import Gateway
+    from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+    from services.rollout.router import Router
+    from services.rollout.servicer import GatewayServicer
+    from services.rollout.tito import TitoForwarder
+
+    forwarder = None
+    if cfg.trajectory_address:
+        forwarder = TitoForwarder(_tito_sink(cfg), max_queue=cfg.tito_queue).start()
+    gateway = Gateway(connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),
+                      router=Router(sticky_slack=cfg.sticky_slack), call_cache=CallCache(max_tokens=cfg.call_cache_tokens),
+                      on_record=forwarder.submit if forwarder else None, attach_wait_s=cfg.attach_wait_s,
+                      max_recoveries=cfg.max_recoveries, probe_interval_s=cfg.probe_interval_s).start()
+    for spec in cfg.engine_addresses:
+        cell_id, _, address = spec.rpartition("=")
+        if not cell_id:
+            cell_id = gateway.conn(address).get_load(timeout_s=30.0).cell_id
+        gateway.register_engine(cell_id, address)
+    server = build_server("gateway", [(rollout_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway))],
+                          service_names=[GATEWAY_SERVICE], host=cfg.host, port=cfg.port,
+                          max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
+    http = None
+    if cfg.http_port >= 0:
+        endpoint = OpenAIEndpoint(gateway, tokenizer=_load_tokenizer(cfg), model_name=cfg.served_model_name,
+                                  job_id=cfg.job_id, default_max_tokens=cfg.default_max_tokens,
+                                  prompt_cache_tokens=cfg.prompt_cache_tokens)
+        http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
+                            max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token).start()
+        log.info("openai endpoint", base_url=http.base_url)
+
+    def on_shutdown() -> None:
+        if http is not None:
+            http.stop()
+        server.stop(cfg.grace_s)  # in-flight calls get the grace period
+        if forwarder is not None:
+            forwarder.stop(timeout_s=cfg.grace_s)
+        gateway.stop()
+
+    return server, on_shutdown
+
+
+def engine_main(argv: Sequence[str] | None = None) -> int:
+    return run_service("engine", EngineConfig, build_engine, argv)
+
+
+def gateway_main(argv: Sequence[str] | None = None) -> int:
+    return run_service("gateway", GatewayConfig, build_gateway, argv)

@@ -1,0 +1,372 @@
+"""OpenAI-compatible HTTP endpoint of the gateway: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models`` (stdlib ``http.server``, one thread per connection; streaming via SSE).
+
+Each request becomes one gateway call, so it is routed, migrated and recorded (TITO) exactly like
+a gRPC call. The prompt ids come from ``chat.PromptCache``: the chat template is rendered once and
+the exact ids of earlier turns are reused when the messages extend an earlier conversation.
+
+Gyre fields ride in headers or in the body (the ``openai`` client's ``extra_body``):
+``x-gyre-execution-id`` / ``execution_id``, ``x-gyre-agent-id`` / ``agent_id``, ``x-gyre-role`` /
+``role`` (main | subagent | summary), ``x-gyre-call-id`` / ``call_id``, ``x-gyre-job-id`` /
+``job_id``; ``top_k`` and ``return_token_ids`` (adds ``gyre.prompt_ids``/``gyre.output_ids``).
+Errors are OpenAI-style JSON: 400 bad input, 404 unknown route/model/session, 413 too large,
+503 no engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted
+from services.common.logging import get_logger
+from services.rollout.calls import CallMeta, Piece
+from services.rollout.chat import PromptCache, Rendered
+from services.rollout.engine import SamplingParams
+from services.rollout.gateway import Gateway
+
+log = get_logger(__name__)
+
+_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
+           "RESOURCE_EXHAUSTED": 413, "UNAVAILABLE": 503, "ABORTED": 409, "DEADLINE_EXCEEDED": 504}
+
+
+class OpenAIEndpoint:
+    """The request logic (no sockets): body + headers -> response JSON or SSE events."""
+
+    def __init__(self, gateway: Gateway, *, tokenizer: Any, model_name: str, job_id: str = "",
+                 default_max_tokens: int = 256, prompt_cache_tokens: int = 8_000_000) -> None:
+        self.gateway = gateway
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.job_id = job_id
+        self.default_max_tokens = default_max_tokens
+        self.prompts = PromptCache(tokenizer, max_tokens=prompt_cache_tokens)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.default_stop_ids: tuple[int, ...] = (int(eos),) if eos is not None else ()
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "gyre"}]}
+
+    # -- request parsing ---------------------------------------------------------------------
+    def _meta(self, body: dict[str, Any], headers: Any) -> CallMeta:
+        def field(name: str) -> str:
+            value = headers.get(f"x-gyre-{name.replace('_', '-')}") or body.get(name) or ""
+            if not isinstance(value, str):
+                raise InvalidArgument(f"{name} must be a string")
+            return value
+
+        return CallMeta(job_id=field("job_id") or self.job_id, execution_id=field("execution_id"),
+                        call_id=field("call_id") or uuid.uuid4().hex, agent_id=field("agent_id"),
+                        role=field("role") or "main")
+
+    def _params(self, body: dict[str, Any]) -> SamplingParams:
+        if body.get("model") not in (None, "", self.model_name):
+            raise NotFound(f"model {body.get('model')!r} does not exist; this gateway serves {self.model_name!r}")
+        if body.get("n", 1) != 1:
+            raise InvalidArgument("only n=1 is supported")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
+        stop = body.get("stop")
+        stop_ids = list(self.default_stop_ids) + [int(t) for t in body.get("stop_token_ids") or []]
+        if stop:
+            for s in [stop] if isinstance(stop, str) else stop:
+                ids = self.tokenizer(s, add_special_tokens=False)["input_ids"]
+                if len(ids) != 1:
+                    raise InvalidArgument(f"stop string {s!r} is {len(ids)} tokens; only single-token stops "
+                                          "are supported (or pass stop_token_ids)")
+                stop_ids.append(int(ids[0]))
+        seed = body.get("seed")
+        try:
+            return SamplingParams(temperature=float(body.get("temperature", 1.0)),
+                                  top_p=float(body.get("top_p", 1.0) or 1.0), top_k=int(body.get("top_k", 0) or 0),
+                                  max_new_tokens=int(max_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                                  seed=None if seed is None else int(seed))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"invalid sampling parameters: {exc}") from None
+
+    # -- calls -------------------------------------------------------------------------------
+    def chat(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgument("'messages' must be a non-empty list")
+        meta, params = self._meta(body, headers), self._params(body)
+        session = (meta.execution_id, meta.agent_id)
+        rendered = self.prompts.render_chat(session, messages)
+        if rendered.reused_tokens == 0 and any(m.get("role") == "assistant" for m in messages):
+            log.info("chat prompt tokenized from scratch (no earlier turn matched)",
+                     execution_id=meta.execution_id, agent_id=meta.agent_id)
+
+        def remember(ids: np.ndarray, text: str, stop_text: str) -> None:
+            self.prompts.remember_chat(session, messages, rendered, ids, text, stop_text)
+
+        return self._run("chat.completion", body, meta, params, rendered, remember)
+
+    def completion(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        meta, params = self._meta(body, headers), self._params(body)
+        session = (meta.execution_id, meta.agent_id)
+        if isinstance(prompt, str):
+            rendered = self.prompts.render_text(session, prompt)
+
+            def remember(ids: np.ndarray, text: str, stop_text: str) -> None:
+                self.prompts.remember_text(session, rendered, ids, text, stop_text)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            rendered = Rendered("", np.asarray(prompt, dtype=np.int64).astype(np.int32), 0)
+            if np.any(np.asarray(prompt) > np.iinfo(np.int32).max):
+                raise InvalidArgument("prompt token ids must fit in int32")
+
+            def remember(ids: np.ndarray, text: str, stop_text: str) -> None:
+                pass
+        else:
+            raise InvalidArgument("'prompt' must be a string or a non-empty list of token ids")
+        return self._run("text_completion", body, meta, params, rendered, remember)
+
+    def _run(self, kind: str, body: dict[str, Any], meta: CallMeta, params: SamplingParams,
+             rendered: Rendered, remember: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        call = self.gateway.new_call(meta, params, prompt_ids=rendered.prompt_ids)
+        pieces = self.gateway.run(call)
+        created = int(time.time())
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + call.request_id
+        want_ids = bool(body.get("return_token_ids"))
+        want_lp = bool(body.get("logprobs"))
+
+        def finish() -> tuple[str, dict[str, Any], str]:
+            ids, lps = call.output()
+            text, stop_text = self._decode(ids, params)
+            remember(ids, text, stop_text)
+            gyre: dict[str, Any] = {"execution_id": meta.execution_id, "call_id": meta.call_id,
+                                    "weight_version": call.result().weight_version,
+                                    "reused_prompt_tokens": rendered.reused_tokens}
+            if want_ids:
+                gyre["prompt_ids"] = call.prompt_ids.tolist()
+                gyre["output_ids"] = ids.tolist()
+            if want_lp:
+                gyre["output_logprobs"] = lps.tolist()
+            return text, gyre, _finish_reason(call.finish_reason)
+
+        usage = lambda: {"prompt_tokens": len(call.prompt_ids), "completion_tokens": call.generated,  # noqa: E731
+                         "total_tokens": len(call.prompt_ids) + call.generated}
+        if not body.get("stream"):
+            for _ in pieces:
+                pass
+            text, gyre, reason = finish()
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+            if kind == "chat.completion":
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if want_lp:
+                choice["logprobs"] = _logprobs(self.tokenizer, call.output(), kind)
+            return {"id": rid, "object": kind, "created": created, "model": self.model_name,
+                    "choices": [choice], "usage": usage(), "gyre": gyre}, None
+        # Start the call now, so routing/validation errors still get a proper HTTP status.
+        first = next(pieces, None)
+        head = [first] if first is not None else []
+        return None, self._sse(kind, rid, created, call, itertools.chain(head, pieces), pieces, finish, usage)
+
+    def _sse(self, kind: str, rid: str, created: int, call: Any, pieces: Iterator[Piece], gen: Any,
+             finish: Any, usage: Any) -> Iterator[bytes]:
+        obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+
+        def event(delta_text: str | None, reason: str | None, extra: dict[str, Any] | None = None,
+                  first: bool = False) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+            if kind == "chat.completion":
+                choice["delta"] = {} if delta_text is None else {"content": delta_text}
+                if first:
+                    choice["delta"]["role"] = "assistant"
+            else:
+                choice["text"] = delta_text or ""
+            payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            payload.update(extra or {})
+            return f"data: {json.dumps(payload)}\n\n".encode()
+
+        sent = ""
+        try:
+            yield event("", None, first=True)
+            for _ in pieces:
+                ids, _lps = call.output()
+                text, _stop = self._decode(ids, call.params)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence: wait for the next token
+                if len(text) > len(sent) and text.startswith(sent):
+                    yield event(text[len(sent):], None)
+                    sent = text
+            text, gyre, reason = finish()
+            tail = text[len(sent):] if text.startswith(sent) else ""
+            yield event(tail, reason, {"usage": usage(), "gyre": gyre})
+            yield b"data: [DONE]\n\n"
+        finally:
+            gen.close()  # a client that left cancels the engine-side request
+
+    def _decode(self, ids: np.ndarray, params: SamplingParams) -> tuple[str, str]:
+        """Output text without a trailing stop id, and the text of that stop id ("" if none)."""
+        stop_text = ""
+        if len(ids) and int(ids[-1]) in params.stop_token_ids:
+            stop_text = self.tokenizer.decode([int(ids[-1])], skip_special_tokens=False)
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False), stop_text
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop" if reason == "" else reason
+
+
+def _logprobs(tokenizer: Any, output: tuple[np.ndarray, np.ndarray], kind: str) -> dict[str, Any]:
+    ids, lps = output
+    tokens = tokenizer.convert_ids_to_tokens(ids.tolist())
+    if kind == "chat.completion":
+        return {"content": [{"token": t, "logprob": float(lp), "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(tokens, lps.tolist())]}
+    return {"tokens": tokens, "token_logprobs": lps.tolist(), "top_logprobs": None, "text_offset": None}
+
+
+class OpenAIServer:
+    """``ThreadingHTTPServer`` around an ``OpenAIEndpoint``. Lifecycle: start() -> stop()."""
+
+    def __init__(self, endpoint: OpenAIEndpoint, *, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = 64 << 20, auth_token: str = "") -> None:
+        self.endpoint = endpoint
+        self.max_body_bytes = max_body_bytes
+        self.auth_token = auth_token
+        handler = type("Handler", (_Handler,), {"server_ref": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.port = int(self.httpd.server_address[1])
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-http", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.httpd.server_address[0]}:{self.port}/v1"
+
+    def start(self) -> "OpenAIServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_ref: OpenAIServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("http", request=format % args)
+
+    def _authorized(self) -> bool:
+        """With an auth token configured, callers must send ``Authorization: Bearer <token>``."""
+        token = self.server_ref.auth_token
+        if not token:
+            return True
+        given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return True
+        self.close_connection = True
+        self._json(401, {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
+                                   "param": None, "code": 401}})
+        return False
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        if self.path.rstrip("/") in ("/v1/models", "/models"):
+            self._json(200, self.server_ref.endpoint.models())
+        else:
+            self._error(NotFound(f"no route GET {self.path}"))
+
+    def do_POST(self) -> None:
+        if not self._authorized():
+            return
+        route = self.path.split("?")[0].rstrip("/")
+        ep = self.server_ref.endpoint
+        try:
+            handler = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completion}.get(route)
+            if handler is None:
+                self._drain_body()
+                raise NotFound(f"no route POST {self.path}")
+            body = self._body()
+            result, stream = handler(body, self.headers)
+        except Exception as exc:  # deliberate: every failure becomes an OpenAI-style error
+            self._error(exc)
+            return
+        if stream is None:
+            self._json(200, result)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for chunk in stream:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("openai stream client went away")
+        except Exception as exc:  # deliberate: report in-band, the status line is already sent
+            err = {"error": {"message": str(exc), "type": type(exc).__name__, "param": None, "code": None}}
+            self.wfile.write(f"data: {json.dumps(err)}\n\n".encode())
+
+    def _drain_body(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= self.server_ref.max_body_bytes:
+            self.rfile.read(length)
+        else:
+            self.close_connection = True
+
+    def _body(self) -> dict[str, Any]:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise InvalidArgument("bad Content-Length") from None
+        if length > self.server_ref.max_body_bytes:
+            self.close_connection = True  # the unread body makes the connection unusable
+            raise ResourceExhausted(f"request body of {length} bytes exceeds the limit of "
+                                    f"{self.server_ref.max_body_bytes} bytes")
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("request body must be a JSON object")
+        return body
+
+    def _json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, exc: BaseException) -> None:
+        if isinstance(exc, GyreError):
+            status = _STATUS.get(exc.code.name, 500)
+        elif isinstance(exc, ValueError):
+            status = 400
+        else:
+            status = 500
+            log.error("openai endpoint failed", exc_info=exc)
+        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+                503: "service_unavailable"}.get(status, "server_error")
+        self._json(status, {"error": {"message": str(exc) or HTTPStatus(status).phrase, "type": kind,
+                                      "param": None, "code": status}})

@@ -1,0 +1,120 @@
+"""Live migration through the gateway: DrainEngine moves in-flight requests (KV over TCP / UCX) and
+the caller's stream continues with exactly the tokens of an unmigrated run."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from services.rollout.calls import CallMeta, MigrationReport
+from services.rollout.client import EngineClient, GatewayClient, collect
+from services.rollout.engine import SamplingParams
+from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
+
+torch.set_num_threads(1)
+PROMPT = np.random.default_rng(0).integers(0, 512, 48).astype(np.int32)
+LONG = 300  # tokens: long enough that the drain lands mid-stream
+
+
+def ucx_works() -> bool:
+    from services.rollout import kv_transport
+
+    try:
+        address = kv_transport.make_receiver("ucx", lambda s: None)
+    except Exception:
+        return False
+    kv_transport.close_receiver(address)
+    return address.startswith("ucx://")
+
+
+@pytest.fixture(scope="module", params=["tcp", "ucx"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[LocalGateway, dict[str, LocalEngine], str]]:
+    kind = request.param
+    if kind == "ucx" and not ucx_works():
+        pytest.skip("ucxx is not usable on this machine")
+    engines = {c: start_engine(c, kv_kinds=(kind,)) for c in ("cell-a", "cell-b")}
+    gw = start_gateway()
+    yield gw, engines, kind
+    gw.stop()
+    for e in engines.values():
+        e.stop()
+
+
+def register_all(gw: LocalGateway, engines: dict[str, LocalEngine]) -> GatewayClient:
+    client = gw.client()
+    for e in engines.values():
+        client.register_engine(e.cell_id, e.address)
+    return client
+
+
+def busy_cell(client: GatewayClient, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = [e.cell_id for e in client.list_engines() if e.in_flight > 0]
+        if busy:
+            return busy[0]
+        time.sleep(0.005)
+    raise AssertionError("no engine has the call in flight")
+
+
+def reference(engines: dict[str, LocalEngine], params: SamplingParams) -> np.ndarray:
+    return EngineClient(engines["cell-a"].address).generate(f"ref-{time.monotonic_ns()}", CallMeta(),
+                                                           PROMPT, params).output_ids
+
+
+def test_drain_moves_a_greedy_stream_without_changing_its_tokens(
+        cluster: tuple[LocalGateway, dict[str, LocalEngine], str]) -> None:
+    gw, engines, kind = cluster
+    client = register_all(gw, engines)
+    params = SamplingParams(temperature=0.0, max_new_tokens=LONG)
+    expected = reference(engines, params)
+    stream = client.generate_stream(CallMeta(execution_id=f"mig-{kind}", call_id="c1"), PROMPT, params)
+    pieces, reports = [], []
+    drainer: threading.Thread | None = None
+    for piece in stream:
+        pieces.append(piece)
+        if drainer is None and sum(len(p.token_ids) for p in pieces) >= 16:
+            cell = busy_cell(client)
+            drainer = threading.Thread(target=lambda: reports.extend(client.drain_engine(cell, kind)))
+            drainer.start()
+    assert drainer is not None
+    drainer.join(timeout=60)
+    ids, _lps, last = collect(pieces)
+    assert last.finished and last.finish_reason == "length"
+    np.testing.assert_array_equal(ids, expected)
+    assert [p.offset for p in pieces] == np.cumsum([0] + [len(p.token_ids) for p in pieces[:-1]]).tolist()
+    (report,) = reports
+    assert report.ok and report.transport == kind, report
+    assert report.bytes > 0 and report.kv_tokens > len(PROMPT) and report.duration_s > 0
+    assert report.source_cell_id == cell and report.target_cell_id != cell
+    assert {e.cell_id for e in client.list_engines()} == {"cell-a", "cell-b"} - {cell}
+    rec = next(r for r in gw.records if r.execution_id == f"mig-{kind}")
+    np.testing.assert_array_equal(rec.output_ids, expected)
+
+
+def test_drain_moves_seeded_sampling_calls_without_changing_their_tokens(
+        cluster: tuple[LocalGateway, dict[str, LocalEngine], str]) -> None:
+    gw, engines, kind = cluster
+    client = register_all(gw, engines)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=LONG, seed=s) for s in (11, 12, 13)]
+    with ThreadPoolExecutor(3) as pool:  # batched on one engine: same tokens as alone
+        expected = list(pool.map(lambda p: reference(engines, p), params))
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(client.generate, CallMeta(execution_id=f"seeded-{kind}-{i}", call_id="c"), PROMPT, p)
+                   for i, p in enumerate(params)]
+        cell = busy_cell(client)
+        time.sleep(0.05)  # let them generate a little
+        reports: list[MigrationReport] = client.drain_engine(cell, kind)
+        results = [f.result(timeout=120) for f in futures]
+    for res, exp in zip(results, expected):
+        np.testing.assert_array_equal(res.output_ids, exp)
+    moved = [r for r in results if r.num_migrations]
+    assert moved and all(r.cell_id != cell for r in moved)
+    assert len([r for r in reports if r.ok]) == len(moved)
+    assert all(r.transport == kind for r in reports if r.ok)

@@ -1,0 +1,177 @@
+"""Real rollout servers for tests: tiny TorchEngines behind Engine gRPC servers, a gateway, engine
+processes, a tiny checkpoint and a ChatML BPE tokenizer (all built locally, nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protos.gyre.v1 import rollout_pb2_grpc
+from services.common.server import GyreServer, build_server
+from services.rollout.client import EngineClient, GatewayClient
+from services.rollout.gateway import Gateway
+from services.rollout.host import EngineHost
+from services.rollout.router import Router
+from services.rollout.servicer import EngineServicer, GatewayServicer
+from services.rollout.torch_engine import TorchEngine, build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_CONTEXT = 1024
+
+
+def varied_tiny_model(seed: int = 0) -> torch.nn.Module:
+    """The tiny random Qwen3 with sharpened weights, so greedy outputs vary (not one repeated id)."""
+    model = build_tiny_model(seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model
+
+
+def save_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    varied_tiny_model(seed).save_pretrained(str(path))
+    return path
+
+
+@dataclass
+class LocalEngine:
+    cell_id: str
+    server: GyreServer
+    host: EngineHost
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self) -> None:
+        self.server.stop(0)
+        self.host.stop()
+
+
+def start_engine(cell_id: str, *, model: torch.nn.Module | None = None, checkpoint: Path | None = None,
+                 kv_kinds: tuple[str, ...] = ("tcp",), max_batch_size: int = 16) -> LocalEngine:
+    if checkpoint is not None:
+        engine = TorchEngine.from_pretrained(str(checkpoint), device="cpu", max_context=MAX_CONTEXT,
+                                             max_batch_size=max_batch_size)
+    else:
+        engine = TorchEngine(model if model is not None else varied_tiny_model(), device="cpu",
+                             max_context=MAX_CONTEXT, max_batch_size=max_batch_size)
+    host = EngineHost(engine, cell_id=cell_id, kv_kinds=kv_kinds)
+    server = build_server(f"engine-{cell_id}", [(rollout_pb2_grpc.add_EngineServicer_to_server,
+                                                 EngineServicer(host, attach_wait_s=20.0))],
+                          service_names=["gyre.v1.Engine"], max_workers=128)
+    host.address = server.address
+    host.start()
+    server.start()
+    server.set_serving(True)
+    return LocalEngine(cell_id, server, host)
+
+
+@dataclass
+class LocalGateway:
+    server: GyreServer
+    gateway: Gateway
+    records: list[Any] = field(default_factory=list)
+    _clients: list[GatewayClient] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def client(self, **kw: Any) -> GatewayClient:
+        c = GatewayClient(self.address, **kw)
+        self._clients.append(c)
+        return c
+
+    def stop(self) -> None:
+        for c in self._clients:
+            c.close()
+        self.server.stop(0)
+        self.gateway.stop()
+
+
+def start_gateway(on_record: Callable[[Any], Any] | None = None, *, max_message_mb: int = 256,
+                  probe_interval_s: float = 0.5) -> LocalGateway:
+    records: list[Any] = []
+    gateway = Gateway(connect=EngineClient, router=Router(), on_record=on_record or records.append,
+                      attach_wait_s=20.0, probe_interval_s=probe_interval_s).start()
+    server = build_server("gateway", [(rollout_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway))],
+                          service_names=["gyre.v1.Gateway"], max_workers=256, max_message_mb=max_message_mb)
+    server.start()
+    server.set_serving(True)
+    return LocalGateway(server, gateway, records)
+
+
+@dataclass
+class EngineProcess:
+    """``python -m services.rollout.engine_main`` as a child process."""
+
+    cell_id: str
+    proc: subprocess.Popen[bytes]
+    address: str
+    log_path: Path
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def spawn_engine(cell_id: str, checkpoint: Path, tmp: Path, *, timeout_s: float = 120.0) -> EngineProcess:
+    port_file = tmp / f"{cell_id}.port"
+    log_path = tmp / f"{cell_id}.log"
+    cmd = [sys.executable, "-m", "services.rollout.engine_main", "--cell-id", cell_id, "--model", str(checkpoint),
+           "--device", "cpu", "--torch-threads", "1", "--max-context-tokens", str(MAX_CONTEXT),
+           "--max-batch-size", "16", "--kv-transports", "tcp", "--log-json", "false", "--port-file", str(port_file)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"engine {cell_id} did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
+    port = json.loads(port_file.read_text())["port"]
+    return EngineProcess(cell_id, proc, f"127.0.0.1:{port}", log_path)
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "You are a helpful assistant. Answer briefly and precisely.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Please list three prime numbers: two, three and five are prime numbers.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps.",
+    "def add(a, b): return a + b  # numbers, strings and lists",
+] * 20
+
+
+def make_chatml_tokenizer(path: Path, vocab_size: int = 400) -> Path:
+    """A byte-level BPE with ChatML specials and chat template (ids < ``vocab_size`` <= model vocab)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(path))
+    return path
