@@ -191,6 +191,18 @@ end
 return out
 """
 
+# Grace after a leadership change: every lease expiring before ARGV[1] is extended to it, so
+# holders that could not heartbeat while no scheduler ran get a full TTL to reach the new one.
+# KEYS: leases   ARGV: until_ms, exec_prefix
+GRACE_LEASES = r"""
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+for _, eid in ipairs(ids) do
+  redis.call('ZADD', KEYS[1], ARGV[1], eid)
+  redis.call('HSET', ARGV[2] .. eid, 'lease_expires_ms', ARGV[1])
+end
+return #ids
+"""
+
 # KEYS: job, queue, running, events, active   ARGV: now, maxlen, exec_prefix, retention_ms, message, job_id
 CANCEL_JOB = _PRELUDE + r"""
 local st = redis.call('HGET', KEYS[1], 'state')

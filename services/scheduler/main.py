@@ -46,7 +46,7 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
         state, actuator, instance_id=cfg.instance_id or f"{socket.gethostname()}-{os.getpid()}",
         tick_interval_s=cfg.tick_interval_s, leader_ttl_s=cfg.leader_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s,
         switch_timeout_s=cfg.switch_timeout_s, switch_workers=cfg.switch_workers,
-        metrics_event_interval_s=cfg.metrics_event_interval_s).start()
+        metrics_event_interval_s=cfg.metrics_event_interval_s, lease_ttl_s=cfg.lease_ttl_s).start()
     log.info("orchestrator started", actuator=cfg.actuator, instance_id=orchestrator.instance_id)
 
     def on_shutdown() -> None:

@@ -3,6 +3,7 @@
 One loop per scheduler deployment (the instance holding the ``leader`` lease in Redis) runs::
 
     every tick_interval_s:
+      on taking the lead: extend every lease by a full TTL (holders could not heartbeat meanwhile)
       reap expired leases -> re-queue (or fail after max_attempts)
       for each active job (oldest first):
         pending: admit when no running job holds its cells; running: enqueue every step whose
@@ -72,7 +73,7 @@ class Orchestrator:
     def __init__(self, state: SchedulerState, actuator: CellActuator, *, instance_id: str,
                  tick_interval_s: float = 0.5, leader_ttl_s: float = 10.0, cell_dead_after_s: float = 30.0,
                  switch_timeout_s: float = 600.0, switch_workers: int = 8,
-                 metrics_event_interval_s: float = 5.0) -> None:
+                 metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0) -> None:
         self.state = state
         self.actuator = actuator
         self.instance_id = instance_id
@@ -81,6 +82,8 @@ class Orchestrator:
         self.cell_dead_after_s = cell_dead_after_s
         self.switch_timeout_s = switch_timeout_s
         self.metrics_event_interval_s = metrics_event_interval_s
+        self.lease_ttl_s = lease_ttl_s
+        self._leading = False
         self._pool = ThreadPoolExecutor(max_workers=switch_workers, thread_name_prefix="sched-switch")
         self._inflight: dict[str, Future[None]] = {}  # cell_id -> switch carried out by this process
         self._lock = threading.Lock()
@@ -125,7 +128,14 @@ class Orchestrator:
     def tick(self) -> bool:
         """One pass of the loop; False when another instance leads."""
         if not self.state.acquire_leader(self.instance_id, self.leader_ttl_s):
+            self._leading = False
             return False
+        if not self._leading:
+            # taking over (start, restart, failover): harnesses could not heartbeat while no
+            # scheduler ran, so no lease may expire before they had a full TTL to reach us
+            self._leading = True
+            extended = self.state.grace_leases(self.lease_ttl_s)
+            log.info("leading", instance_id=self.instance_id, leases_extended=extended)
         for _eid, outcome in self.state.reap_expired():
             REQUEUES.labels(outcome).inc()
         self.recover_switches()
@@ -295,6 +305,15 @@ class Orchestrator:
     def switches_in_flight(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    def wait_switches(self, timeout_s: float) -> bool:
+        """Block until this process carries out no switch (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.switches_in_flight():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _maybe_metrics_event(self, job: JobStatus, cells: Sequence[CellRecord]) -> None:
         now = self.state.clock()

@@ -135,7 +135,7 @@ class SchedulerState:
         self.event_maxlen = event_maxlen
         self.retention_ms = int(retention_s * 1000)
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in (
-            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "LEASE", "HEARTBEAT", "COMPLETE", "REAP",
+            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES",
             "CANCEL_JOB", "REPORT_TRAINING", "REGISTER_CELL", "CELL_HEARTBEAT", "DEREGISTER_CELL",
             "BEGIN_SWITCH", "END_SWITCH", "JOB_SNAPSHOT", "ACQUIRE_LEADER", "RELEASE_LEADER")}
 
@@ -330,6 +330,11 @@ class SchedulerState:
         res = self._run("REAP", [k.leases], [self.now_ms(), limit, k.exec_prefix, k.job_prefix, self.retention_ms,
                                               self.event_maxlen])
         return [(_s(res[i]), _s(res[i + 1])) for i in range(0, len(res), 2)]
+
+    def grace_leases(self, ttl_s: float) -> int:
+        """Extend every lease to expire no sooner than ``ttl_s`` from now (after a leader change)."""
+        until = self.now_ms() + int(ttl_s * 1000)
+        return int(self._run("GRACE_LEASES", [self.keys.leases], [until, self.keys.exec_prefix]))
 
     def execution(self, execution_id_: str) -> ExecutionRecord:
         h = self.r.hgetall(self.keys.execution(execution_id_))

@@ -223,3 +223,18 @@ def test_leader_lease(st: SchedulerState, clock: Clock) -> None:
     assert not st.acquire_leader("b", 5.0)
     st.release_leader("a")
     assert st.acquire_leader("b", 5.0)
+
+
+def test_grace_extends_leases_after_a_leader_change(st: SchedulerState, clock: Clock) -> None:
+    s = running_job(st, spec(groups_per_step=1, group_size=2))
+    st.enqueue_step(s, 0, [b"x"])
+    a = st.lease(["j1"], "w", 1.0)
+    clock.t += 5
+    b = st.lease(["j1"], "w", 30.0)
+    assert a is not None and b is not None
+    assert st.grace_leases(10.0) == 1  # only the lease expiring sooner than 10 s from now
+    clock.t += 9
+    assert st.reap_expired() == []
+    clock.t += 2
+    assert st.reap_expired() == [(a.execution_id, "requeued")]
+    assert st.execution(b.execution_id).state is ExecState.LEASED

@@ -1,0 +1,128 @@
+"""The orchestrator against real Redis, a real scheduler server and real cell-agent processes.
+
+Cells are ``agent_main`` subprocesses that register over gRPC and run a real role process
+(``sleep``) that is swapped on every switch; the orchestrator (in this process, ticked by the
+test) carries switches out through ``AgentActuator`` -> ``CellAgent.SetRole``. What remains for
+integration is the ``ServicesActuator`` path (gateway DrainEngine with KV migration, trainer
+AddReplica/ReleaseReplica), which needs the rollout and trainer services running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.metrics import REGISTRY
+from services.scheduler.actuators import AgentActuator
+from services.scheduler.client import CellAgentClient
+from services.scheduler.jobs import ExecState, JobState, Mode, Role
+from services.scheduler.orchestrator import Orchestrator
+from tests.service.scheduler_support import InProcess, Proc, in_process_scheduler, job_spec, start_agent, wait_until
+
+SLEEP = "sleep 3600"
+
+
+@pytest.fixture
+def sched(redis_url: str) -> Iterator[InProcess]:
+    with in_process_scheduler(redis_url) as s:
+        yield s
+
+
+@pytest.fixture
+def agents(sched: InProcess, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Proc]]:
+    """core (TRAIN) + c1, c2 in the role (and heartbeat interval) of ``request.param`` (default idle)."""
+    role, beat = getattr(request, "param", ("idle", "0.2"))
+    procs = {"core": start_agent(sched.server.address, tmp_path, "core", "--role", "train", "--is-core",
+                                 "--train-command", SLEEP)}
+    for cid in ("c1", "c2"):
+        procs[cid] = start_agent(sched.server.address, tmp_path, cid, "--role", role, "--kv-capacity-tokens", "4000",
+                                 "--rollout-command", SLEEP, "--train-command", SLEEP, "--heartbeat-interval-s", beat)
+    keys = sched.state.keys
+    wait_until(lambda: all(sched.state.r.hexists(keys.cell(c), "inflight") for c in procs),
+               what="3 cells registered and heartbeating")
+    yield procs
+    for p in procs.values():
+        p.terminate()
+
+
+def roles(s: InProcess) -> dict[str, Role]:
+    return {i.cell.cell_id: i.cell.role for i in s.client.list_cells()}
+
+
+def agent_role(p: Proc) -> Role:
+    with CellAgentClient(p.address, timeout_s=10) as c:
+        return c.get_role()[1]
+
+
+def tick(orch: Orchestrator) -> None:
+    assert orch.tick()
+    assert orch.wait_switches(30.0)
+
+
+def switch_count(frm: str, to: str) -> float:
+    return REGISTRY.get_sample_value("gyre_scheduler_switch_seconds_count", {"from_role": frm, "to_role": to}) or 0.0
+
+
+def test_colocate_pool_alternates_through_real_agents(sched: InProcess, agents: dict[str, Proc]) -> None:
+    s = sched
+    orch = Orchestrator(s.state, AgentActuator(), instance_id="t", metrics_event_interval_s=0.0)
+    before = switch_count("rollout", "train")
+    s.client.submit_job(job_spec(num_steps=2, groups_per_step=1, group_size=2, mode=Mode.COLOCATE))
+    tick(orch)  # admit, enqueue step 0, idle cells -> ROLLOUT
+    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+    assert agent_role(agents["c1"]) is Role.ROLLOUT
+
+    lease = s.client.lease("h", job_id="j1")
+    assert lease is not None
+    tick(orch)  # an execution runs: nobody moves
+    assert roles(s)["c1"] is Role.ROLLOUT
+    s.client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
+    last = s.client.lease("h", job_id="j1")
+    assert last is not None
+    s.client.complete(last.execution_id, last.lease_token, ExecState.FINISHED)
+    tick(orch)  # step rolled out: the pool joins training
+    assert roles(s) == {"core": Role.TRAIN, "c1": Role.TRAIN, "c2": Role.TRAIN}
+    assert agent_role(agents["c2"]) is Role.TRAIN
+
+    s.client.report_training("j1", 0, "published", 1)
+    tick(orch)  # step 1 opens: back to ROLLOUT
+    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+
+    log = s.state.switch_log()
+    assert [e.kind for e in log] == ["switch_finished"] * 6
+    assert all(e.attrs["cell_id"] in ("c1", "c2") for e in log)  # the core never moved
+    assert all(int(e.attrs["duration_ms"]) >= 0 for e in log)
+    assert switch_count("rollout", "train") - before == 2
+    kinds = [e.kind for e in s.client.watch("j1", follow=False)]
+    assert kinds.count("switch_started") == 6 and kinds.count("switch_finished") == 6 and "metrics" in kinds
+
+
+@pytest.mark.parametrize("agents", [("rollout", "3600")], indirect=True)
+def test_elastic_never_interrupts_a_busy_cell(sched: InProcess, agents: dict[str, Proc]) -> None:
+    """Without a gateway nothing can migrate, so a busy rollout cell must stay until it is empty."""
+    s = sched
+    orch = Orchestrator(s.state, AgentActuator(), instance_id="t", metrics_event_interval_s=3600)
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=4, group_size=1, mode=Mode.ELASTIC,
+                                 staleness_bound=1, execution_kv_tokens=1000))
+    tick(orch)
+    leases = [s.client.lease("h", job_id="j1") for _ in range(4)]
+    assert all(leases)
+    # the engines report their load: c1 hosts three executions, c2 one
+    s.client.cell_heartbeat("c1", role=Role.ROLLOUT, inflight=3, kv_used_tokens=3000, kv_capacity_tokens=4000)
+    s.client.cell_heartbeat("c2", role=Role.ROLLOUT, inflight=1, kv_used_tokens=1000, kv_capacity_tokens=4000)
+    first = leases[0]
+    assert first is not None
+    s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
+    s.client.cell_heartbeat("c1", role=Role.ROLLOUT, inflight=2, kv_used_tokens=2000, kv_capacity_tokens=4000)
+    tick(orch)  # the policy frees c2 by migrating its execution to c1; no gateway -> refused, rolled back
+    assert roles(s)["c2"] is Role.ROLLOUT and agent_role(agents["c2"]) is Role.ROLLOUT
+    back = s.state.switch_log()[-1]
+    assert back.kind == "switch_rolled_back" and "refusing to interrupt" in back.attrs["error"]
+
+    s.client.cell_heartbeat("c2", role=Role.ROLLOUT, inflight=0, kv_used_tokens=0, kv_capacity_tokens=4000)
+    tick(orch)  # c2 is empty now: it leaves without interrupting anything
+    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.TRAIN}
+    assert agent_role(agents["c2"]) is Role.TRAIN and agent_role(agents["core"]) is Role.TRAIN
+    assert s.client.get_job("j1").state is JobState.RUNNING
