@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import InvalidArgument
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.scheduler.jobs import (
@@ -69,6 +69,16 @@ class SchedulerApi:
         self.cell_dead_after_s = cell_dead_after_s
         self.poll_s = poll_s
         self.sleep = sleep
+        self._specs: dict[str, JobSpec] = {}  # specs never change: cache them for lease responses
+
+    def job_spec(self, job_id: str) -> JobSpec:
+        spec = self._specs.get(job_id)
+        if spec is None:
+            spec = self.get_job(job_id).spec
+            if len(self._specs) > 10_000:
+                self._specs.clear()
+            self._specs[job_id] = spec
+        return spec
 
     # ---------------------------------------------------------------- jobs
 
@@ -159,14 +169,12 @@ class SchedulerApi:
         if not 0 <= wait_s <= MAX_WAIT_S:
             raise InvalidArgument(f"wait_s is {wait_s}; expected 0..{MAX_WAIT_S:.0f} seconds")
         if job_id:
-            job = self.get_job(job_id)
-            if job.state.terminal:
-                raise FailedPrecondition(f"job {job_id!r} is {job.state.value}; it has no more executions")
+            check_id(job_id, "job_id")
         deadline = time.monotonic() + wait_s
         pause = self.poll_s
         while True:
             lease = self.state.lease([job_id] if job_id else self.state.active_job_ids(), worker_id,
-                                     self.lease_ttl_s)
+                                     self.lease_ttl_s, strict=bool(job_id))
             if lease is not None:
                 LEASES.inc()
                 log.debug("leased", job_id=lease.job_id, execution_id=lease.execution_id, attempt=lease.attempt,

@@ -91,8 +91,7 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
         lease = self.api.lease(request.worker_id, request.job_id, request.wait_s)
         if lease is None:
             return pb.LeaseExecutionResponse(leased=False)
-        spec = self.api.get_job(lease.job_id).spec
-        return pb.LeaseExecutionResponse(leased=True, lease=lease_to_proto(lease, spec))
+        return pb.LeaseExecutionResponse(leased=True, lease=lease_to_proto(lease, self.api.job_spec(lease.job_id)))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         deadline, expires, cancelled = self.api.heartbeat(request.execution_id, request.lease_token)

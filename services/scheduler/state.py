@@ -33,6 +33,7 @@ old token is stale and refused. Completion is idempotent for the token that comp
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -96,6 +97,15 @@ class Keys:
 def execution_id(job_id: str, step: int, group: int, index: int) -> str:
     """Stable, human-readable execution id: ``{job}.s{step}.g{group}.e{index}``."""
     return f"{job_id}.s{step}.g{group}.e{index}"
+
+
+_EXEC_ID_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})\.s\d+\.g\d+\.e\d+$")
+
+
+def job_of_execution(execution_id_: str) -> str | None:
+    """The job id inside an execution id (job ids contain no '.'), or None if it is not one of ours."""
+    m = _EXEC_ID_RE.match(execution_id_)
+    return m.group(1) if m else None
 
 
 def group_id(step: int, group: int) -> str:
@@ -270,8 +280,12 @@ class SchedulerState:
 
     # ---------------------------------------------------------------- executions
 
-    def lease(self, job_ids: Sequence[str], worker_id: str, ttl_s: float) -> Lease | None:
-        """Lease the lowest-step queued execution of the first job in ``job_ids`` that has one."""
+    def lease(self, job_ids: Sequence[str], worker_id: str, ttl_s: float, *, strict: bool = False) -> Lease | None:
+        """Lease the lowest-step queued execution of the first job in ``job_ids`` that has one.
+
+        ``strict``: raise NotFound for a job that does not exist and FailedPrecondition for one that
+        ended (a pending job just has nothing to lease yet).
+        """
         k = self.keys
         for jid in job_ids:
             token = secrets.token_hex(12)
@@ -279,6 +293,10 @@ class SchedulerState:
             res = self._run("LEASE", [k.job(jid), k.queue(jid), k.running(jid), k.leases],
                             [k.exec_prefix, now, int(ttl_s * 1000), token, worker_id])
             if res[0] != 1:
+                if strict and res[0] == -1:
+                    raise NotFound(f"job {jid!r} does not exist")
+                if strict and _s(res[1]) in ("completed", "cancelled", "failed"):
+                    raise FailedPrecondition(f"job {jid!r} is {_s(res[1])}; it has no more executions")
                 continue
             _, eid, attempt, deadline, expires, step, gid, payload = res
             return Lease(execution_id=_s(eid), job_id=jid, step=_i(step), group_id=_s(gid),
@@ -287,6 +305,9 @@ class SchedulerState:
         return None
 
     def _exec_job(self, execution_id_: str) -> str:
+        parsed = job_of_execution(execution_id_)
+        if parsed is not None:
+            return parsed
         jid = self.r.hget(self.keys.execution(execution_id_), "job_id")
         if jid is None:
             raise NotFound(f"execution {execution_id_!r} does not exist (or ended longer ago than retention)")
