@@ -36,7 +36,7 @@ class CellAgent:
         if role is Role.SWITCHING:
             raise ValueError("a cell agent starts as rollout, train or idle")
         self.cell_id = cell_id
-        self._role = role
+        self._role: Role = role
         self.commands = dict(commands)
         self.stop_grace_s = stop_grace_s
         # Extra seconds each switch takes: models engine/replica start-up cost where the commands

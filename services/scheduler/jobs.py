@@ -331,7 +331,7 @@ class Event:
 
     def attr_int(self, name: str, default: int = -1) -> int:
         v = self.attrs.get(name)
-        return int(v) if v not in (None, "") else default
+        return int(v) if v else default
 
 
 def spec_dict(spec: JobSpec) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import grpc
 
 from protos.gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.errors import InvalidArgument
+from services.common.server import Registration
 from services.scheduler.api import CellInfo, SchedulerApi
 from services.scheduler.cell_agent import CellAgent
 from services.scheduler.convert import (
@@ -132,7 +133,7 @@ class CellsServicer(scheduler_pb2_grpc.CellsServicer):
         return pb.DeregisterCellResponse(role=ROLE_TO_PB[self.api.deregister_cell(request.cell_id)])
 
 
-def registrations(api: SchedulerApi) -> list[tuple[object, object]]:
+def registrations(api: SchedulerApi) -> list[Registration]:
     """(add_*_to_server, servicer) pairs for ``build_server``."""
     return [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(api)),
             (scheduler_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(api)),

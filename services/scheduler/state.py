@@ -38,6 +38,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -139,7 +140,7 @@ class SchedulerState:
 
     def __init__(self, client: redis.Redis, *, clock: Callable[[], float] = time.time,
                  event_maxlen: int = 100_000, retention_s: float = 86_400.0, namespace: str = "sched") -> None:
-        self.r = client
+        self.r: Any = client  # redis-py's reply types are too loose to check usefully
         self.keys = Keys(namespace)
         self.clock = clock
         self.event_maxlen = event_maxlen
@@ -152,7 +153,7 @@ class SchedulerState:
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
 
-    def _run(self, name: str, keys: Sequence[str], args: Sequence[object]) -> list:
+    def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return self._scripts[name](keys=list(keys), args=list(args))
 
     # ---------------------------------------------------------------- jobs
@@ -337,7 +338,7 @@ class SchedulerState:
         return CompleteResult(status, duplicate=False, done_in_step=int(res[2]))
 
     @staticmethod
-    def _check_exec(res: list, execution_id_: str, what: str) -> None:
+    def _check_exec(res: Any, execution_id_: str, what: str) -> None:
         if res[0] == -1:
             raise NotFound(f"execution {execution_id_!r} does not exist")
         if res[0] in (-2, -3):
@@ -473,14 +474,14 @@ class SchedulerState:
         self._run("RELEASE_LEADER", [self.keys.leader], [instance_id])
 
 
-def _event(eid: bytes | str, f: dict, job_id: str) -> Event:
+def _event(eid: bytes | str, f: dict[Any, Any], job_id: str) -> Event:
     attrs = {_s(k): _s(v) for k, v in f.items()}
     kind = attrs.pop("kind", "")
     ts = _i(attrs.pop("ts_ms", "0")) / 1000
     return Event(event_id=_s(eid), kind=kind, ts_s=ts, job_id=job_id, attrs=attrs)
 
 
-def _cell(cell_id: str, h: dict) -> CellRecord:
+def _cell(cell_id: str, h: dict[Any, Any]) -> CellRecord:
     def g(name: str) -> bytes | None:
         return h.get(name.encode())
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from protos.gyre.v1 import scheduler_pb2 as pb
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from services.scheduler.jobs import ExecState, JobState, Mode, Role, TaskSource
+from services.common.errors import AlreadyExists, FailedPrecondition, NotFound
+from services.scheduler.jobs import ExecState, JobState, Role
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
 
