@@ -430,17 +430,18 @@ class Gateway:
 
     def _await_recoveries(self, cell_id: str, t0: float, wait_s: float) -> list[MigrationReport]:
         """A dead source: wait for the calls that were on it to re-prefill elsewhere."""
+        def moved_from(c: GatewayCall) -> MigrationReport | None:
+            return next((m for m in reversed(c.moves) if m.source_cell_id == cell_id), None)
+
         with self._moved:
-            affected = [c for c in self._active.values() if c.cell_id == cell_id]
-            self._moved.wait_for(lambda: all(c.moves or c.request_id not in self._active or c.cell_id != cell_id
+            affected = [c for c in self._active.values() if c.cell_id == cell_id or moved_from(c)]
+            self._moved.wait_for(lambda: all(moved_from(c) or c.request_id not in self._active
                                              for c in affected), timeout=wait_s)
             reports = []
             for c in affected:
-                if c.moves:
-                    reports.append(c.moves[-1])
-                else:
-                    reports.append(MigrationReport(c.request_id, cell_id, c.cell_id, "", 0,
-                                                   time.perf_counter() - t0, 0, False, "not recovered in time"))
+                move = moved_from(c)
+                reports.append(move or MigrationReport(c.request_id, cell_id, "", "", 0, time.perf_counter() - t0,
+                                                       0, False, "not re-prefilled in time"))
             return reports
 
 

@@ -83,15 +83,13 @@ def build_engine(cfg: EngineConfig) -> Built:
 
 
 def _tito_sink(cfg: GatewayConfig) -> Any:
-    """Delta-encode per execution, then ``TrajectoryClient.ingest``."""
+    """``TrajectoryClient.ingest`` with per-execution delta encoding (resends are idempotent)."""
     from services.trajectory.client import TrajectoryClient
-    from services.trajectory.records import DeltaEncoder
 
-    client = TrajectoryClient(cfg.trajectory_address)
-    encoder = DeltaEncoder()  # used only by the forwarder thread
+    client = TrajectoryClient(cfg.trajectory_address, max_message_mb=cfg.max_message_mb)
 
     def sink(batch: list[Any]) -> None:
-        client.ingest([encoder.encode_call(c) for c in batch])
+        client.ingest(batch, delta_encode=True)
 
     return sink
 

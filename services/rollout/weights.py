@@ -123,7 +123,7 @@ def chunk_state_dict(state_dict: "dict[str, torch.Tensor]", version: int, *,
     names = list(state_dict)
     for i, name in enumerate(names):
         t = state_dict[name].detach().to("cpu").contiguous()
-        raw = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         total = len(raw)
         starts = range(0, total, chunk_bytes) if total else [0]
         for s in starts:

@@ -1,5 +1,5 @@
 """Real rollout servers for tests: tiny TorchEngines behind Engine gRPC servers, a gateway, engine
-processes, a tiny checkpoint and a ChatML BPE tokenizer (all built locally, nothing downloaded)."""
+processes and a tiny checkpoint (all built locally, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,17 @@ class EngineProcess:
     proc: subprocess.Popen[bytes]
     address: str
     log_path: Path
+    port_file: Path
+
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not self.port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"engine {self.cell_id} did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        self.address = f"127.0.0.1:{json.loads(self.port_file.read_text())['port']}"
+        return self.address
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -127,7 +138,8 @@ class EngineProcess:
             self.proc.wait(timeout=30)
 
 
-def spawn_engine(cell_id: str, checkpoint: Path, tmp: Path, *, timeout_s: float = 120.0) -> EngineProcess:
+def spawn_engine(cell_id: str, checkpoint: Path, tmp: Path) -> EngineProcess:
+    """Start the process; ``wait_ready`` once every process of a test was spawned (they load in parallel)."""
     port_file = tmp / f"{cell_id}.port"
     log_path = tmp / f"{cell_id}.log"
     cmd = [sys.executable, "-m", "services.rollout.engine_main", "--cell-id", cell_id, "--model", str(checkpoint),
@@ -136,42 +148,4 @@ def spawn_engine(cell_id: str, checkpoint: Path, tmp: Path, *, timeout_s: float 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"engine {cell_id} did not start:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
-    port = json.loads(port_file.read_text())["port"]
-    return EngineProcess(cell_id, proc, f"127.0.0.1:{port}", log_path)
-
-
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-_CORPUS = [
-    "You are a helpful assistant. Answer briefly and precisely.",
-    "What is the capital of France? The capital of France is Paris.",
-    "Please list three prime numbers: two, three and five are prime numbers.",
-    "The quick brown fox jumps over the lazy dog while the cat sleeps.",
-    "def add(a, b): return a + b  # numbers, strings and lists",
-] * 20
-
-
-def make_chatml_tokenizer(path: Path, vocab_size: int = 400) -> Path:
-    """A byte-level BPE with ChatML specials and chat template (ids < ``vocab_size`` <= model vocab)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(str(path))
-    return path
+    return EngineProcess(cell_id, proc, "", log_path, port_file)

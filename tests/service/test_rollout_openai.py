@@ -1,0 +1,145 @@
+"""The gateway's OpenAI-compatible endpoint, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.trajectory.records import Role
+from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
+from tests.support.rollout_tokenizer import make_chatml_tokenizer
+
+torch.set_num_threads(1)
+HEADERS = {"x-gyre-execution-id": "ex-chat", "x-gyre-agent-id": "main"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServer, LocalGateway, Any]]:
+    tok = AutoTokenizer.from_pretrained(str(make_chatml_tokenizer(tmp_path_factory.mktemp("tok"))))
+    engine: LocalEngine = start_engine("cell-a")
+    gw = start_gateway()
+    gw.client().register_engine("cell-a", engine.address)
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny", job_id="job-o")
+    server = OpenAIServer(endpoint, max_body_bytes=1 << 20).start()
+    yield server, gw, tok
+    server.stop()
+    gw.stop()
+    engine.stop()
+
+
+def oai(server: OpenAIServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    server, _, _ = stack
+    assert [m.id for m in oai(server).models.list()] == ["gyre-tiny"]
+
+
+def test_chat_turns_keep_the_exact_ids_of_earlier_turns(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    server, gw, tok = stack
+    client = oai(server)
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."},
+                                      {"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model="gyre-tiny", messages=messages, max_tokens=12, temperature=0,
+                                           extra_headers=HEADERS, extra_body={"return_token_ids": True})
+    g1 = first.model_extra["gyre"]
+    reply = first.choices[0].message.content
+    assert isinstance(reply, str) and first.usage.completion_tokens == len(g1["output_ids"])
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And of Spain?"}]
+    second = client.chat.completions.create(model="gyre-tiny", messages=messages, max_tokens=12, temperature=0,
+                                            extra_headers={**HEADERS, "x-gyre-role": "main"},
+                                            extra_body={"return_token_ids": True})
+    g2 = second.model_extra["gyre"]
+    earlier = g1["prompt_ids"] + g1["output_ids"]
+    assert g2["prompt_ids"][:len(earlier)] == earlier
+    assert g2["reused_prompt_tokens"] == len(earlier) and len(g2["prompt_ids"]) > len(earlier)
+    # The first prompt is the template rendered once, tokenized once.
+    rendered = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert g1["prompt_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+    # (tests/unit/test_rollout_chat.py covers outputs whose re-tokenization would drift.)
+    # Each call is a TITO record with exactly these ids.
+    recs = [r for r in gw.records if r.execution_id == "ex-chat"]
+    assert len(recs) == 2 and all(r.job_id == "job-o" and r.role == Role.MAIN for r in recs)
+    np.testing.assert_array_equal(recs[1].prompt_ids, g2["prompt_ids"])
+    np.testing.assert_array_equal(recs[0].output_ids, g1["output_ids"])
+
+
+def test_chat_stream_yields_the_same_text(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    server, gw, _ = stack
+    client = oai(server)
+    messages = [{"role": "user", "content": "List three prime numbers."}]
+    whole = client.chat.completions.create(model="gyre-tiny", messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="gyre-tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, extra_body={"execution_id": "ex-stream",
+                                                                          "role": "subagent"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    rec = next(r for r in gw.records if r.execution_id == "ex-stream")
+    assert rec.role == Role.SUBAGENT and len(rec.output_ids) == 16
+
+
+def test_completions_with_ids_and_text(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    server, _, tok = stack
+    client = oai(server)
+    by_ids = client.completions.create(model="gyre-tiny", prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert by_ids.model_extra["gyre"]["prompt_ids"] == [5, 6, 7, 8]
+    assert len(by_ids.model_extra["gyre"]["output_ids"]) == 6
+    text = "The quick brown fox"
+    first = client.completions.create(model="gyre-tiny", prompt=text, max_tokens=6, temperature=0, seed=3,
+                                      extra_headers=HEADERS, extra_body={"return_token_ids": True})
+    g1 = first.model_extra["gyre"]
+    follow = client.completions.create(model="gyre-tiny", prompt=text + first.choices[0].text + " jumps",
+                                       max_tokens=4, temperature=0, extra_headers=HEADERS,
+                                       extra_body={"return_token_ids": True})
+    g2 = follow.model_extra["gyre"]
+    assert g2["prompt_ids"][:len(g1["prompt_ids"]) + 6] == g1["prompt_ids"] + g1["output_ids"]
+
+
+def raw(server: OpenAIServer, path: str, body: bytes | None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_bad_requests_get_openai_style_errors(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    server, _, _ = stack
+    client = oai(server)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="gyre-tiny", messages=[{"role": "user", "content": "hi"}],
+                                       temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="gyre-tiny", messages=[])
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="gyre-tiny", prompt=[1, 2, 100000], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="gyre-tiny", messages=[{"role": "user", "content": "hi"}],
+                                       extra_headers={"x-gyre-role": "boss"})
+    status, body = raw(server, "/v1/chat/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = raw(server, "/v1/nothing", b"{}")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = raw(server, "/v1/completions", json.dumps({"prompt": "x" * (2 << 20)}).encode())
+    assert status == 413 and "exceeds" in body["error"]["message"]
+    long_prompt = list(range(1, 400)) * 3  # 1197 tokens > the 1024-token context
+    status, body = raw(server, "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 2}).encode())
+    assert status == 400 and "context" in body["error"]["message"]
