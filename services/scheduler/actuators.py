@@ -55,7 +55,11 @@ class ServicesActuator:
         if from_role is Role.ROLLOUT:
             _drain(self.gateway, cell)
         elif from_role is Role.TRAIN:
-            if not self.trainer.release_replica(cell.cell_id, wait_s=self.timeout_s):
+            try:
+                released = self.trainer.release_replica(cell.cell_id, wait_s=self.timeout_s)
+            except NotFound:  # no replica runs there (any more): the cell is free
+                released = True
+            if not released:
                 raise Unavailable(f"the trainer did not release {cell.cell_id} within {self.timeout_s:.0f}s")
         if to_role is Role.TRAIN:
             self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0))
