@@ -18,9 +18,10 @@ class EngineConfig(ServerConfig):
 
     max_workers: int = setting(1024, "Threads serving RPCs: one per concurrent stream (>= max_batch_size).")
     cell_id: str = setting("cell-0", "Id of the cell this engine serves (the scheduler's cell id).")
-    model: str = setting("builtin-tiny", "Local checkpoint directory, 'builtin-tiny' (the task's warm-started "
-                                         "tiny model, built on first use) or 'random-tiny' (random init).")
-    model_cache_dir: str = setting(".gyre/models", "Where the built-in model is built and cached.")
+    model: str = setting("builtin-tiny", "Local checkpoint directory or a name services.models.source resolves "
+                                         "('builtin-tiny', 'smollm2-135m-instruct'), or 'random-tiny' (random init).")
+    model_cache_dir: str = setting("", "Where named models are built/converted; empty = the shared default "
+                                       "(.gyre/models or $GYRE_MODEL_CACHE).")
     device: str = setting("auto", "cpu, cuda, cuda:N or auto (cuda when available).")
     dtype: str = setting("auto", "Weights dtype: auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16.")
     max_batch_size: int = setting(64, "Requests decoded together in one engine step.")
@@ -67,9 +68,9 @@ class GatewayConfig(ServerConfig):
     http_port: int = setting(-1, "OpenAI-compatible HTTP port; -1 = off, 0 = any free port.")
     http_host: str = setting("127.0.0.1", "Interface the HTTP endpoint binds.")
     http_max_body_mb: int = setting(64, "Largest HTTP request body, MiB (413 beyond).")
-    tokenizer_path: str = setting("", "HF tokenizer directory with a chat template (for HTTP); "
-                                      "'builtin-tiny' = the built-in model's; empty = HTTP needs token ids.")
-    model_cache_dir: str = setting(".gyre/models", "Where the built-in model (and its tokenizer) is cached.")
+    tokenizer_path: str = setting("", "HF tokenizer (with a chat template) for HTTP: a checkpoint directory or "
+                                      "a model name ('builtin-tiny', 'smollm2-135m-instruct').")
+    model_cache_dir: str = setting("", "Where named models are built/converted; empty = the shared default.")
     served_model_name: str = setting("gyre", "Model name the HTTP endpoint serves (/v1/models).")
     default_max_tokens: int = setting(256, "max_tokens of HTTP calls that do not set it.")
     trajectory_address: str = setting("", "Trajectory service receiving TITO records; empty = not forwarded.")

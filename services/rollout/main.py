@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from protos.gyre.v1 import rollout_pb2, rollout_pb2_grpc
@@ -38,12 +39,10 @@ def _load_engine(cfg: EngineConfig) -> Any:
         weight_policy=cfg.weight_policy, torch_threads=cfg.torch_threads or None)
     if cfg.model == "random-tiny":
         return TorchEngine(build_tiny_model(), model_name="random-tiny", device=cfg.device, **kwargs)
-    path = cfg.model
-    if path == "builtin-tiny":
-        from services.task.model import ensure_builtin_model
+    from services.models.source import resolve_model
 
-        path = str(ensure_builtin_model(cfg.model_cache_dir))
-    return TorchEngine.from_pretrained(path, dtype=cfg.dtype, device=cfg.device, **kwargs)
+    path = resolve_model(cfg.model, cfg.model_cache_dir)
+    return TorchEngine.from_pretrained(str(path), dtype=cfg.dtype, device=cfg.device, **kwargs)
 
 
 def build_engine(cfg: EngineConfig) -> Built:
@@ -97,12 +96,12 @@ def _tito_sink(cfg: GatewayConfig) -> Any:
 def _load_tokenizer(cfg: GatewayConfig) -> Any:
     from transformers import AutoTokenizer
 
-    path = cfg.tokenizer_path
-    if path == "builtin-tiny":
-        from services.task.model import ensure_builtin_model
+    from services.models.source import resolve_model
 
-        path = str(ensure_builtin_model(cfg.model_cache_dir))
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    path = Path(cfg.tokenizer_path)  # a bare tokenizer directory, or a model name / checkpoint
+    if not path.is_dir():
+        path = resolve_model(cfg.tokenizer_path, cfg.model_cache_dir)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def build_gateway(cfg: GatewayConfig) -> Built:
