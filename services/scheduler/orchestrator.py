@@ -139,17 +139,25 @@ class Orchestrator:
         for _eid, outcome in self.state.reap_expired():
             REQUEUES.labels(outcome).inc()
         self.recover_switches()
-        running_cells: list[tuple[str, ...] | None] = []  # cells of running jobs (None: all)
+        jobs: list[JobStatus] = []
         for job_id in self.state.active_job_ids():
             try:
-                job = self.state.get_job(job_id)
-            except GyreError:
+                jobs.append(self.state.get_job(job_id))
+            except GyreError:  # ended and removed meanwhile
                 continue
-            if job.state is JobState.PENDING:
-                job = self._admit(job, running_cells) or job
-            if job.state is JobState.RUNNING:
-                running_cells.append(job.spec.cell_ids or None)
+        # cells held by running jobs (None: all cells), so pending jobs are admitted without overlap
+        running_cells = [j.spec.cell_ids or None for j in jobs if j.state is JobState.RUNNING]
+        for job in jobs:
+            try:
+                if job.state is JobState.PENDING:
+                    admitted = self._admit(job, running_cells)
+                    if admitted is None:
+                        continue
+                    job = admitted
+                    running_cells.append(job.spec.cell_ids or None)
                 self.step_job(job)
+            except Exception:  # deliberate: one job's failure must not stall the others
+                log.exception("orchestrating job failed; retrying next tick", job_id=job.job_id)
         return True
 
     def _admit(self, job: JobStatus, running: list[tuple[str, ...] | None]) -> JobStatus | None:
@@ -159,7 +167,8 @@ class Orchestrator:
                 return None  # its cells are held by a running job: stay pending
         if self.state.set_job_state(job.job_id, JobState.PENDING, JobState.RUNNING, "admitted"):
             log.info("job admitted", job_id=job.job_id)
-        return self.state.get_job(job.job_id)
+        job = self.state.get_job(job.job_id)
+        return job if job.state is JobState.RUNNING else None
 
     def step_job(self, job: JobStatus) -> list[Action]:
         """Enqueue startable steps, decide, and start the switches for one running job."""

@@ -167,3 +167,20 @@ def test_cells_register_heartbeat_list_deregister(sched: InProcess) -> None:
     assert c.deregister_cell("c1") is Role.ROLLOUT
     with pytest.raises(NotFound, match="RegisterCell"):
         c.cell_heartbeat("c1", role=Role.ROLLOUT)
+
+
+def test_admission_never_overlaps_running_jobs_cells(sched: InProcess) -> None:
+    s = sched
+    orch = orchestrator(s)
+    s.client.submit_job(job_spec("c", cell_ids=("x",)))
+    orch.tick()
+    s.client.submit_job(job_spec("a"))  # wants every cell: waits for "c"
+    s.client.submit_job(job_spec("b", cell_ids=("y",)))  # disjoint from "c": runs now
+    orch.tick()
+    assert [s.client.get_job(j).state for j in "abc"] == [JobState.PENDING, JobState.RUNNING, JobState.RUNNING]
+    s.client.cancel_job("c")
+    orch.tick()  # "a" is older than "b" but "b" holds a cell: "a" still waits
+    assert s.client.get_job("a").state is JobState.PENDING
+    s.client.cancel_job("b")
+    orch.tick()
+    assert s.client.get_job("a").state is JobState.RUNNING
