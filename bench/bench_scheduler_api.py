@@ -283,8 +283,9 @@ def render(rows: list[tuple[int, dict[str, float], dict[str, float], float]], de
                    f"{api['rate'] / direct['rate']:.2f} | {noop:.0f} | {noop / api['rate']:.1f}x |")
     out += ["", "Direct Redis = the same two Lua transitions (`SchedulerState.lease` / `.complete`) from the "
             "same threads, no gRPC and no server process; no-op gRPC = a health Check to the same server. "
-            "A lease+complete pair is two RPCs and two Lua scripts (plus one job read for the lease "
-            "response).", ""]
+            "A lease+complete pair is two RPCs and two Lua scripts, one Redis round trip each (job specs "
+            "are cached for the lease response). The gap to direct Redis is the Python gRPC server's "
+            "per-call cost on this host (compare the no-op column).", ""]
     out += ["## One orchestration decision with 10,000 executions in flight", "",
             "100 groups x 100 executions leased, 16 cells (1 core + 15 rollout). Commands counted by "
             "INFO commandstats, including those a Lua script runs.", "",
@@ -300,8 +301,9 @@ def render(rows: list[tuple[int, dict[str, float], dict[str, float], float]], de
         top = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(cmds.items(), key=lambda kv: -kv[1])[:6])
         ratio = f"{naive_per / per:.0f}x fewer" if key != "naive" else "1x"
         out.append(f"| {label} | {rate:.0f} | {per:.1f} | {top} | {ratio} |")
-    out += ["", "Per decision: one `JOB_SNAPSHOT` script (job hash fields for the current step, ZCARD of the "
-            "queue, SCARD of the running set) and one pipelined HGETALL per cell - O(cells), independent of "
+    out += ["", "Per decision, three round trips: one `JOB_SNAPSHOT` script (job hash fields for the current "
+            "step, ZCARD of the queue, SCARD of the running set), SMEMBERS of the cell set and one pipeline "
+            "of HGETALL per cell - O(cells), independent of "
             "how many executions are in flight. The tick adds the leader lease, the reaper's "
             "ZRANGEBYSCORE over the lease index (O(log n) when nothing expired), the pending-switch index "
             "and the active-job set.", ""]

@@ -126,3 +126,23 @@ def test_elastic_never_interrupts_a_busy_cell(sched: InProcess, agents: dict[str
     assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.TRAIN}
     assert agent_role(agents["c2"]) is Role.TRAIN and agent_role(agents["core"]) is Role.TRAIN
     assert s.client.get_job("j1").state is JobState.RUNNING
+
+
+def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None:
+    """A switch left in flight by a dead scheduler whose cell is gone too is rolled back, with the error."""
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC, staleness_bound=1,
+                                 cell_ids=("gone", "stale")))
+    for cid in ("gone", "stale"):
+        s.client.register_cell(cell_id=cid, address="127.0.0.1:1", role=Role.ROLLOUT)  # nothing listens there
+    s.state.begin_switch(cell_id="gone", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1")
+    s.state.begin_switch(cell_id="stale", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1")
+    s.state.r.hset(s.state.keys.cell("stale"), "switch_started_ms", 1000)  # this one started long ago
+    orch = Orchestrator(s.state, AgentActuator(timeout_s=5), instance_id="restarted", switch_timeout_s=60,
+                        metrics_event_interval_s=3600)
+    orch.recover_switches()
+    assert orch.wait_switches(30)
+    log = {e.attrs["cell_id"]: e for e in s.state.switch_log()}
+    assert log["stale"].kind == "switch_rolled_back" and "no progress" in log["stale"].attrs["error"]
+    assert log["gone"].kind == "switch_rolled_back" and "also failed" in log["gone"].attrs["error"]
+    assert roles(s) == {"gone": Role.ROLLOUT, "stale": Role.ROLLOUT} and s.state.pending_switches() == []
