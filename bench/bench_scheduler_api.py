@@ -271,8 +271,9 @@ def bench_decisions(url: str) -> dict[str, object]:
 def render(rows: list[tuple[int, dict[str, float], dict[str, float], float]], dec: dict[str, object]) -> str:
     out = ["# Scheduler API benchmark", "",
            f"`python -m bench.bench_scheduler_api` — own redis-server (AOF, fsync 1 s) and a scheduler process "
-           f"(API only); {DURATION_S:.0f} s per configuration on a shared 2-core host (redis-server, scheduler "
-           "and client threads all on it).", "",
+           f"(API only); {DURATION_S:.0f} s per configuration on a shared {os.cpu_count()}-core host "
+           f"(redis-server, scheduler and client threads all on it; load average {os.getloadavg()[0]:.1f} at the "
+           "end, other work included), so absolute rates are a floor and vary run to run.", "",
            "## Lease + complete under concurrent clients", "",
            "| clients | API pairs/s | lease p50 / p99 ms | complete p50 / p99 ms | direct Redis pairs/s "
            "| API / direct | no-op gRPC calls/s | API pair / no-op call time |",
