@@ -82,6 +82,7 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
             min_rollout_cells=p.min_rollout_cells if p.HasField("min_rollout_cells") else 1,
             consolidate_threshold=p.consolidate_threshold if p.HasField("consolidate_threshold") else 1.0,
             execution_kv_tokens=p.execution_kv_tokens if p.HasField("execution_kv_tokens") else None,
+            rollout_batches=p.rollout_batches,
         )
     except ValueError as exc:
         raise InvalidArgument(f"invalid job spec: {exc}") from None
@@ -92,7 +93,8 @@ def spec_to_proto(s: JobSpec) -> scheduler_pb2.JobSpec:
                    group_size=s.group_size, mode=MODE_TO_PB[s.mode], staleness_bound=s.staleness_bound,
                    timeout_policy=TIMEOUT_TO_PB[s.timeout_policy], execution_timeout_s=s.execution_timeout_s,
                    cell_ids=list(s.cell_ids), algorithm=dict(s.algorithm), max_attempts=s.max_attempts,
-                   min_rollout_cells=s.min_rollout_cells, consolidate_threshold=s.consolidate_threshold)
+                   min_rollout_cells=s.min_rollout_cells, consolidate_threshold=s.consolidate_threshold,
+                   rollout_batches=s.rollout_batches)
     if s.tasks.payloads:
         p.tasks.payloads.payloads.extend(s.tasks.payloads)
     else:

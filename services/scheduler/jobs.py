@@ -132,6 +132,7 @@ class JobSpec:
     min_rollout_cells: int = 1
     consolidate_threshold: float = 1.0
     execution_kv_tokens: int | None = None
+    rollout_batches: bool = False
 
     def __post_init__(self) -> None:
         check_id(self.job_id, "job_id")
@@ -175,7 +176,7 @@ class JobSpec:
         return PolicyParams(mode=self.mode, staleness_bound=self.staleness_bound,
                             async_rollout_cells=self.async_rollout_cells, min_rollout_cells=self.min_rollout_cells,
                             consolidate_threshold=self.consolidate_threshold,
-                            execution_kv_tokens=self.execution_kv_tokens)
+                            execution_kv_tokens=self.execution_kv_tokens, rollout_batches=self.rollout_batches)
 
     @property
     def step_size(self) -> int:
@@ -206,6 +207,7 @@ class JobSpec:
                 "min_rollout_cells": self.min_rollout_cells,
                 "consolidate_threshold": self.consolidate_threshold,
                 "execution_kv_tokens": self.execution_kv_tokens,
+                "rollout_batches": self.rollout_batches,
             },
             sort_keys=True,
         )
@@ -236,6 +238,7 @@ class JobSpec:
             min_rollout_cells=d["min_rollout_cells"],
             consolidate_threshold=d["consolidate_threshold"],
             execution_kv_tokens=d["execution_kv_tokens"],
+            rollout_batches=d.get("rollout_batches", False),
         )
 
 

@@ -191,7 +191,7 @@ class Orchestrator:
         spec, params = job.spec, job.spec.policy_params()
         step = job.enqueued_steps
         changed = False
-        while step < spec.num_steps and may_start(step, job.weight_version, params):
+        while step < spec.num_steps and may_start(step, job.weight_version, params, self._step_finished(job, step - 1)):
             try:
                 payloads = step_payloads(spec, step)
             except ValueError as exc:
@@ -202,6 +202,12 @@ class Orchestrator:
             log.info("step enqueued", job_id=job.job_id, step=step, executions=n)
             step, changed = step + 1, True
         return self.state.get_job(job.job_id) if changed else job
+
+    def _step_finished(self, job: JobStatus, step: int) -> bool:
+        """Every rollout of ``step`` ended (only asked for jobs that batch rollouts by step)."""
+        if step < 0 or not job.spec.rollout_batches:
+            return True
+        return self.state.done_in_step(job.job_id, step) >= job.spec.step_size
 
     def job_cells(self, job: JobStatus) -> list[CellRecord]:
         """The job's live cells: those named in its spec, else every registered cell."""
@@ -222,7 +228,8 @@ class Orchestrator:
             queued=job.queued, running=job.running, finished_in_step=job.done_in_step, step_size=spec.step_size,
             train_ready=job.groups_done_in_step > 0,
             training_active=job.training_step == job.current_step or job.done_in_step >= spec.step_size,
-            next_step_allowed=nxt < spec.num_steps and may_start(nxt, job.weight_version, params),
+            next_step_allowed=nxt < spec.num_steps and may_start(nxt, job.weight_version, params,
+                                                                 self._step_finished(job, job.current_step)),
         )
 
     # ---------------------------------------------------------------- switches

@@ -256,6 +256,10 @@ class SchedulerState:
             raise NotFound(f"job {spec.job_id!r} does not exist")
         return int(res[1]) if res[0] == 1 else 0
 
+    def done_in_step(self, job_id: str, step: int) -> int:
+        """Executions of ``step`` that ended (any status)."""
+        return _i(self.r.hget(self.keys.job(job_id), f"done:{step}"))
+
     def report_training(self, job_id: str, step: int, phase: str, weight_version: int) -> bool:
         """Trainer progress: ``started`` a step's update or ``published`` its weights. False on a repeat."""
         if phase not in ("started", "published"):

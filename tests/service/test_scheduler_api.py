@@ -9,7 +9,7 @@ import pytest
 
 from protos.gyre.v1 import scheduler_pb2 as pb
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound
-from services.scheduler.jobs import ExecState, JobState, Role
+from services.scheduler.jobs import ExecState, JobState, Mode, Role
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
 
@@ -184,3 +184,25 @@ def test_admission_never_overlaps_running_jobs_cells(sched: InProcess) -> None:
     s.client.cancel_job("b")
     orch.tick()
     assert s.client.get_job("a").state is JobState.RUNNING
+
+
+def test_staleness_bound_and_rollout_batches_gate_step_enqueueing(sched: InProcess) -> None:
+    s = sched
+    orch = orchestrator(s)
+    # bound 1: step 1's rollouts may overlap step 0 (weights version 0 is 1 behind step 1)
+    s.client.submit_job(job_spec("free", num_steps=3, groups_per_step=1, group_size=1, mode=Mode.ELASTIC,
+                                 staleness_bound=1, cell_ids=("a",)))
+    # one-step-off: step 1 waits until every rollout of step 0 ended
+    s.client.submit_job(job_spec("batched", num_steps=3, groups_per_step=1, group_size=1, mode=Mode.ELASTIC,
+                                 staleness_bound=1, rollout_batches=True, cell_ids=("b",)))
+    orch.tick()
+    assert s.client.get_job("free").enqueued_steps == 2 and s.client.get_job("batched").enqueued_steps == 1
+    drain_step(s, "batched", 1)
+    orch.tick()
+    assert s.client.get_job("batched").enqueued_steps == 2  # step 2 needs version 1 anyway
+    drain_step(s, "free", 2)
+    orch.tick()
+    assert s.client.get_job("free").enqueued_steps == 2
+    s.client.report_training("free", 0, "published", 1)
+    orch.tick()
+    assert s.client.get_job("free").enqueued_steps == 3

@@ -17,7 +17,8 @@ def spec(**kw: object) -> JobSpec:
     base: dict[str, object] = dict(job_id="j", model="m", tasks=TaskSource(payloads=(b"a", b"b", b"c")),
                                    num_steps=3, groups_per_step=2, group_size=4, mode=Mode.ASYNC, staleness_bound=2,
                                    async_rollout_cells=3, timeout_policy=TimeoutPolicy.EXCLUDE,
-                                   algorithm=(("lr", "1e-5"),), cell_ids=("c1", "c2"), execution_kv_tokens=4096)
+                                   algorithm=(("lr", "1e-5"),), cell_ids=("c1", "c2"), execution_kv_tokens=4096,
+                                   rollout_batches=True)
     base.update(kw)
     return JobSpec(**base)  # type: ignore[arg-type]
 
