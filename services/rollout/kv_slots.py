@@ -6,7 +6,7 @@ cache fills ``[:, :lens[r]]``. A decode step writes one new key/value per row at
 scatter, no copy of the cache) and attends over ``[:n, :, :max(lens)+1]`` with a per-row length
 mask, so requests of different lengths share one forward without padding copies.
 
-Capacity grows by doubling (slots and tokens), like a vector; when a request leaves, the last
+Capacity grows geometrically (slots x2, tokens x1.25 in 256-token pages); when a request leaves, the last
 row moves into its slot (one copy of that request's cache) to keep rows contiguous. The price of
 a rectangular buffer: memory is ``slots x longest request``; a paged layout would remove that,
 at the cost of a custom attention kernel.
@@ -47,27 +47,33 @@ class SlotKV:
         return int(self.keys[0].shape[2])
 
     def _alloc(self, slots: int, tokens: int) -> None:
+        # torch.empty, not zeros: touching (memset) the whole rectangle costs more than the copy.
+        # Invariant instead: every OCCUPIED row is finite over [0, tokens) (masked positions get
+        # softmax weight 0, and 0 * finite = 0, but 0 * NaN = NaN); free rows are never read.
         shape = (slots, self.kv_heads, tokens, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         if self.keys and self.n:
-            t = int(self.lens[: self.n].max())
+            keep = min(self.token_capacity, tokens)
             for old, new in zip(self.keys + self.values, new_k + new_v):
-                new[: self.n, :, :t].copy_(old[: self.n, :, :t])
+                new[: self.n, :, :keep].copy_(old[: self.n, :, :keep])
+                new[: self.n, :, keep:].zero_()
         self.keys, self.values = new_k, new_v
         lens = np.zeros(slots, dtype=np.int64)
         lens[: self.n] = self.lens[: self.n]
         self.lens = lens
 
     def reserve(self, *, slots: int, tokens: int) -> None:
-        """Make room for ``slots`` rows of ``tokens`` tokens (grows by doubling; never shrinks)."""
+        """Make room for ``slots`` rows of ``tokens`` tokens (grows geometrically; never shrinks)."""
         s, t = self.slot_capacity, self.token_capacity
         if slots <= s and tokens <= t:
             return
         while s < slots:
             s *= 2
-        while t < tokens:
-            t *= 2
+        if tokens > t:
+            # x1.25 headroom in 256-token pages: decode appends rarely reallocate, while one long
+            # import does not double the rectangle (memory is slots x tokens)
+            t = max(t, -(-int(tokens * 1.25) // 256) * 256)
         self._alloc(s, t)
 
     def shrink_to_fit(self, min_tokens: int = 256) -> None:
@@ -87,8 +93,9 @@ class SlotKV:
         for layer, (k, v) in enumerate(kv):
             if k.dim() == 4:
                 k, v = k[0], v[0]
-            self.keys[layer][slot, :, :length].copy_(k[:, :length])
-            self.values[layer][slot, :, :length].copy_(v[:, :length])
+            for buf, src in ((self.keys[layer], k), (self.values[layer], v)):
+                buf[slot, :, :length].copy_(src[:, :length])
+                buf[slot, :, length:].zero_()  # keep the row finite past its length (see _alloc)
         self.lens[slot] = length
         self.n += 1
         return slot

@@ -183,7 +183,7 @@ def _recv_msg(sock: socket.socket, magic: bytes = b"") -> dict[str, Any]:
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
 
 
 def _tune(sock: socket.socket) -> None:

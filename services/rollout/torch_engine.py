@@ -107,7 +107,8 @@ def build_tiny_model(
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(dtype)
+    model = Qwen3ForCausalLM(config)
+    model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers wraps .to with a decorator mypy misreads
     model.eval()
     return model
 
@@ -189,7 +190,7 @@ class TorchEngine(InferenceEngine):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        cfg = model.config
+        cfg: Any = model.config
         self.config = cfg
         self.vocab_size = int(cfg.vocab_size)
         model_ctx = int(getattr(cfg, "max_position_embeddings", 1 << 30))
@@ -512,7 +513,7 @@ class TorchEngine(InferenceEngine):
         if self.weight_policy == "finish_on_old" and (self._running or any(r.prefill_cache for r in self._waiting)):
             return  # in-flight requests finish on the old weights first
         tensors, version = self._staged
-        params = dict(self.model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         for name, t in tensors.items():
             params[name].copy_(t)

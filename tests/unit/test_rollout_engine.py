@@ -84,15 +84,18 @@ def _sampled(n: int, seed: int) -> SamplingParams:
 
 # ------------------------------------------------------------------ greedy == HF generate
 def test_greedy_matches_hf_generate_alone_and_batched(model: torch.nn.Module, engine: TorchEngine) -> None:
-    prompts = [_prompt(i, n) for i, n in enumerate([5, 17, 33, 2, 60, 9])]
-    refs = [_hf_greedy(model, p, 24) for p in prompts]
+    # different lengths and budgets: rows finish at different steps (slot moves) and the 300-token
+    # prompt grows the slot buffer while others are running
+    lengths, budgets = [5, 17, 33, 2, 60, 9, 300], [24, 10, 30, 5, 24, 17, 90]
+    prompts = [_prompt(i, n) for i, n in enumerate(lengths)]
+    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     alone = Collector()
-    engine.submit(GenRequest("alone", prompts[1], _greedy(24)), alone)
+    engine.submit(GenRequest("alone", prompts[1], _greedy(budgets[1])), alone)
     alone.wait("alone")
     assert alone.tokens("alone") == refs[1][0]
     batched = Collector()
-    for i, p in enumerate(prompts):
-        engine.submit(GenRequest(f"b{i}", p, _greedy(24)), batched)
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        engine.submit(GenRequest(f"b{i}", p, _greedy(n)), batched)
     for i, (ref_ids, ref_lps) in enumerate(refs):
         evs = batched.wait(f"b{i}")
         assert batched.tokens(f"b{i}") == ref_ids, f"request {i} diverged from HF generate"
@@ -101,6 +104,7 @@ def test_greedy_matches_hf_generate_alone_and_batched(model: torch.nn.Module, en
         assert all(ev.weight_version == 0 for ev in evs)
         # offsets index the output; events tile it exactly
         assert [ev.offset for ev in evs] == list(np.cumsum([0] + [len(ev.token_ids) for ev in evs[:-1]]))
+    assert engine.load()["kv_tokens"] == 0
 
 
 def test_requests_joining_mid_flight_still_match(model: torch.nn.Module, engine: TorchEngine) -> None:
