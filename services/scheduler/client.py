@@ -155,7 +155,7 @@ class SchedulerClient(_Base):
         return res.deadline_s, res.lease_expires_s, res.cancelled
 
     def complete(self, execution_id: str, lease_token: str, status: ExecState, reason: str = "") -> CompleteResult:
-        req = pb.CompleteExecutionRequest(execution_id=execution_id, lease_token=lease_token,
+        req = pb.CompleteLeaseRequest(execution_id=execution_id, lease_token=lease_token,
                                           status=STATUS_TO_PB[status], reason=reason)
         res = self._call(self._worker.CompleteExecution, req)
         state = STATUS_FROM_PB.get(res.status, ExecState.FAILED) if res.duplicate else status

@@ -98,11 +98,11 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
         deadline, expires, cancelled = self.api.heartbeat(request.execution_id, request.lease_token)
         return pb.HeartbeatResponse(deadline_s=deadline, lease_expires_s=expires, cancelled=cancelled)
 
-    def CompleteExecution(self, request: pb.CompleteExecutionRequest,
-                          context: grpc.ServicerContext) -> pb.CompleteExecutionResponse:
+    def CompleteExecution(self, request: pb.CompleteLeaseRequest,
+                          context: grpc.ServicerContext) -> pb.CompleteLeaseResponse:
         status = enum_value(STATUS_FROM_PB, request.status, "status", "FINISHED, TIMEOUT or FAILED")
         res = self.api.complete(request.execution_id, request.lease_token, status, request.reason)  # type: ignore[arg-type]
-        return pb.CompleteExecutionResponse(status=STATUS_TO_PB.get(res.state, common_pb2.EXECUTION_STATUS_FAILED),
+        return pb.CompleteLeaseResponse(status=STATUS_TO_PB.get(res.state, common_pb2.EXECUTION_STATUS_FAILED),
                                             duplicate=res.duplicate, done_in_step=res.done_in_step)
 
 

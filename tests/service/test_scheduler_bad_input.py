@@ -173,14 +173,14 @@ CASES: list[Case] = [
      C.NOT_FOUND, "does not exist"),
     ("heartbeat/stale", lambda s, i: s.worker.Heartbeat(pb.HeartbeatRequest(
         execution_id=i["stale_exec"], lease_token=i["stale_token"])), C.FAILED_PRECONDITION, "not the current one"),
-    ("complete/no status", lambda s, i: s.worker.CompleteExecution(pb.CompleteExecutionRequest(
+    ("complete/no status", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
         execution_id=i["exec"], lease_token=i["token"])), C.INVALID_ARGUMENT, "status"),
-    ("complete/no id", lambda s, i: s.worker.CompleteExecution(pb.CompleteExecutionRequest(
+    ("complete/no id", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
         lease_token="t", status=common_pb2.EXECUTION_STATUS_FINISHED)), C.INVALID_ARGUMENT, "execution_id"),
-    ("complete/unknown", lambda s, i: s.worker.CompleteExecution(pb.CompleteExecutionRequest(
+    ("complete/unknown", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
         execution_id="e", lease_token="t", status=common_pb2.EXECUTION_STATUS_FINISHED)), C.NOT_FOUND,
      "does not exist"),
-    ("complete/stale", lambda s, i: s.worker.CompleteExecution(pb.CompleteExecutionRequest(
+    ("complete/stale", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
         execution_id=i["stale_exec"], lease_token=i["stale_token"], status=common_pb2.EXECUTION_STATUS_FINISHED)),
      C.FAILED_PRECONDITION, "not the current one"),
     # Cells
