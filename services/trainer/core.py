@@ -32,7 +32,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer import metrics as m
 from services.trainer.elastic import Seal, StepMembership, all_reduce_step, open_group
 from services.trainer.job import TrainerJob
-from services.trainer.learner import Learner, Updater
+from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
 from services.trainer.model import build_model
 from services.trainer.sources import BatchSource, open_source
 from services.trainer.tree_forward import TreePolicy
@@ -44,7 +44,7 @@ log = get_logger(__name__)
 def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
     """Model + tree policy + learner for ``job`` (the same on the core and on every replica)."""
     model = build_model(job.model, dtype=job.torch_dtype, device=device, seed=job.seed,
-                        attention="flex" if job.attention == "flex" else "sdpa")
+                        attention="flex" if job.attention == "flex" else "sdpa", model_cache_dir=job.model_cache_dir)
     policy = TreePolicy(model, attention=job.attention, temperature=job.temperature,
                         max_dense_tokens=job.max_dense_tokens)
     ref = None
@@ -133,9 +133,10 @@ class CoreTrainer:
                     log.info("resumed", job_id=job.job_id, path=str(path), step=step, version=version)
             self.membership = StepMembership(job_id=job.job_id, store_host=self.store_host,
                                              store_port=self.store_port, member_timeout_s=self.member_timeout_s)
+            # The source gets its own store connection: a TCPStore client serializes requests, and
+            # a consumer blocked in store.wait must not block the step's process-group setup.
             source = open_source(job.source, store_host=self.store_host, store_port=self.store_port,
-                                 job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address,
-                                 store=self.store)
+                                 job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address)
             self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
                                     version=version)
             self.weights.publish(learner.model, version)
@@ -197,7 +198,10 @@ class CoreTrainer:
         m.EVICTED.inc(evicted)
         reduce_s = self._reduce(seal, learner)
         for grads in st.handoffs.pop(step, []):
+            stats_vec, extrema = grads.pop(STATS_KEY, None), grads.pop(EXTREMA_KEY, None)
             learner.add_grads(grads)
+            if stats_vec is not None and extrema is not None:
+                learner.stats.merge(stats_vec, extrema)
         handed = [x for x in self.membership.members() if x["step"] == step and x["left"]]
 
         self._set_phase("updating")
@@ -233,14 +237,16 @@ class CoreTrainer:
 
     def _train_one(self, learner: Learner, d: Any, job_id: str) -> bool:
         try:
-            learner.train(d.batch)
+            if not learner.train(d.batch, commit=d.ack):
+                log.warning("micro-batch re-handed before its ack; result discarded", job_id=job_id,
+                            batch_id=d.batch_id)
+                return False
         except (InvalidArgument, FailedPrecondition) as exc:
             # A malformed micro-batch is refused (never trained); the step continues without it.
             m.REJECTED.labels(reason=type(exc).__name__).inc()
             log.error("micro-batch rejected", job_id=job_id, batch_id=d.batch_id, error=str(exc))
             d.reject(str(exc))
             return False
-        d.ack()
         m.MICRO_BATCHES.inc()
         m.TOKENS.inc(len(d.batch.input_ids))
         return True
@@ -288,6 +294,8 @@ class CoreTrainer:
                                          f"{' (sealed)' if cur and cur[2] else ''}")
             named = dict(st.learner.model.named_parameters())
             for name, g in grads.items():
+                if name in (STATS_KEY, EXTREMA_KEY):
+                    continue
                 if name not in named or tuple(g.shape) != tuple(named[name].shape):
                     raise InvalidArgument(f"handed-off gradient {name!r} does not match a model parameter")
             st.handoffs.setdefault(step, []).append(grads)

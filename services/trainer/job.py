@@ -21,6 +21,8 @@ class TrainerJob:
     """Job id (scheduler's); prefixes store keys and checkpoints."""
     model: str = "tiny"
     """Model spec: 'tiny[:k=v]', 'qwen3-0.6b', a local model dir or config.json (services.trainer.model)."""
+    model_cache_dir: str = ".gyre/models"
+    """Where the 'builtin-tiny' model is built/cached (shared with the rollout engines)."""
     source: str = "trajectory"
     """Micro-batch source: 'trajectory' (the trajectory service) or 'synthetic:k=v,...'."""
     trajectory_address: str = ""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +31,9 @@ from services.trainer.tree_forward import TreePolicy, TreeTensors
 STALENESS_EDGES: tuple[int, ...] = (0, 1, 2, 3, 4, 8)
 STALENESS_LABELS: tuple[str, ...] = ("0", "1", "2", "3", "4-7", "8+")
 _COUNTS: tuple[str, ...] = ("tokens", "micro_batches")
+# Names of the statistics tensors inside a gradient hand-off (not parameters).
+STATS_KEY = "gyre.stats"
+EXTREMA_KEY = "gyre.extrema"
 
 
 @dataclass
@@ -58,6 +61,11 @@ class StepStats:
     def extrema(self) -> torch.Tensor:
         """[max ratio, -min ratio]: reduce with MAX."""
         return torch.tensor([self.ratio_max, -self.ratio_min], dtype=torch.float64)
+
+    def merge(self, vec: torch.Tensor, extrema: torch.Tensor) -> None:
+        """Add another replica's additive stats and extrema (a mid-step hand-off)."""
+        self.load_vector(self.vector() + vec.to(torch.float64))
+        self.load_extrema(torch.maximum(self.extrema(), extrema.to(torch.float64)))
 
     def load_extrema(self, vec: torch.Tensor) -> None:
         self.ratio_max, neg_min = vec.tolist()
@@ -114,8 +122,13 @@ class Learner:
         """Validate a micro-batch for this step (raises InvalidArgument / FailedPrecondition)."""
         validate_batch(batch, vocab_size=self.vocab_size, step=self.step, current_version=self.version)
 
-    def train(self, batch: PackedBatchLike) -> dict[str, float]:
-        """Accumulate one micro-batch's gradient sum; returns its own (unreduced) metrics."""
+    def train(self, batch: PackedBatchLike, commit: Callable[[], bool] | None = None) -> bool:
+        """Accumulate one micro-batch's gradient sum; False if ``commit`` refused it.
+
+        ``commit`` (the work queue's ack) runs after the forward and before the backward: a batch
+        the queue has meanwhile handed to another consumer (a late ack is refused) is discarded
+        without ever touching the gradient sums or the statistics.
+        """
         self.check(batch)
         start = time.perf_counter()
         t = TreeTensors.from_batch(batch, self.policy.device)
@@ -127,6 +140,9 @@ class Learner:
                 ref, _ = self.ref_policy.target_logprobs(t)
         out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
                           entropy=ent, ref_logprobs=ref)
+        if commit is not None and not commit():
+            self.compute_s += time.perf_counter() - start
+            return False
         out.loss.backward()
         self.compute_s += time.perf_counter() - start
         s = self.stats
@@ -137,7 +153,7 @@ class Learner:
         s.staleness_hist = s.staleness_hist + staleness_counts(staleness(batch, self.version))
         s.ratio_max = max(s.ratio_max, float(out.ratio_max))
         s.ratio_min = min(s.ratio_min, float(out.ratio_min))
-        return {"loss": float(out.loss), "tokens": float(t.num_tokens), "targets": float(t.num_targets)}
+        return True
 
     # -- gradient buffers for the all-reduce ------------------------------------------------------
     def grad_buckets(self, bucket_bytes: int = 64 << 20) -> Iterator[list[torch.nn.Parameter]]:
@@ -168,6 +184,10 @@ class Learner:
 
     def grads_by_name(self) -> dict[str, torch.Tensor]:
         return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def handoff_state(self) -> dict[str, torch.Tensor]:
+        """Gradient sums plus the step statistics, for handing this replica's share to the core."""
+        return {**self.grads_by_name(), STATS_KEY: self.stats.vector(), EXTREMA_KEY: self.stats.extrema()}
 
 
 @dataclass(frozen=True, kw_only=True)

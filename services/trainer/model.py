@@ -6,6 +6,8 @@ Model specs (``TrainerJob.model``):
     tiny:layers=4,hidden=128  the tiny model with overrides (layers, hidden, vocab, heads, kv_heads,
                               intermediate)
     qwen3-0.6b                a Qwen3-0.6B-sized config (random init) for throughput benches
+    builtin-tiny              the built-in policy the rollout engines serve (services.task.model),
+                              built once into ``model_cache_dir``
     /path/to/model_dir        a local ``from_pretrained`` directory (never a hub download)
     /path/to/config.json      a local config, random init
 
@@ -67,7 +69,7 @@ def parse_tiny_spec(spec: str) -> dict[str, int]:
 
 
 def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int = 0, attention: str = "sdpa") -> torch.nn.Module:
+                seed: int = 0, attention: str = "sdpa", model_cache_dir: str = ".gyre/models") -> torch.nn.Module:
     """Build (and move to ``device``) the causal LM named by ``spec``; see the module docstring."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,6 +81,12 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
         config = tiny_config(**parse_tiny_spec(spec))
     elif spec == "qwen3-0.6b":
         config = qwen3_0_6b_config()
+    elif spec == "builtin-tiny":
+        from services.task.model import ensure_builtin_model
+
+        spec = str(ensure_builtin_model(model_cache_dir))
+        return _check_supported(AutoModelForCausalLM.from_pretrained(
+            spec, local_files_only=True, dtype=dtype, attn_implementation=attn_impl)).to(device)
     elif os.path.isfile(spec) and spec.endswith(".json"):
         config = AutoConfig.from_pretrained(spec, local_files_only=True)
     elif os.path.isdir(spec):

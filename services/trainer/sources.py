@@ -29,10 +29,14 @@ from services.trainer.batch import PackedBatchLike
 
 @dataclass(frozen=True)
 class Delivery:
-    """A micro-batch handed to one consumer; call ``ack`` once its gradient is accumulated."""
+    """A micro-batch handed to one consumer.
+
+    ``ack()`` is called after the forward, right before the backward; it returns False when the
+    queue refuses it (the batch was meanwhile handed to another consumer): discard the result.
+    """
 
     batch: PackedBatchLike
-    ack: Callable[[], None]
+    ack: Callable[[], bool]
     reject: Callable[[str], None]
     batch_id: str = ""
 
@@ -65,7 +69,7 @@ class ListSource:
             if i >= len(q):
                 return None
             self._handed[step] = i + 1
-        return Delivery(batch=q[i], ack=lambda: self.acked.append((step, i)),
+        return Delivery(batch=q[i], ack=lambda: self.acked.append((step, i)) is None,
                         reject=lambda why: self.rejected.append((step, i, why)), batch_id=f"{step}/{i}")
 
     def close(self) -> None:
@@ -85,8 +89,6 @@ class SyntheticSpec:
     generated: int = 8
     root: int = 16
     vocab: int = 512
-    hold_step: int = -1        # test hook: in this step, hand out index >= hold_after only after
-    hold_after: int = 0        #   the store key "<prefix>/release/<step>" is set
 
     @classmethod
     def parse(cls, spec: str) -> "SyntheticSpec":
@@ -116,20 +118,29 @@ class SyntheticSpec:
 
 
 class StoreQueueSource:
-    """Synthetic steps shared across processes: a TCPStore counter hands out micro-batch indices."""
+    """Synthetic steps shared across processes: a TCPStore counter hands out micro-batch indices.
 
-    def __init__(self, spec: SyntheticSpec, *, store: Any, prefix: str, timeout_s: float = 300.0) -> None:
+    Test hook (deterministic join points): if the store holds ``<prefix>/hold/<step>`` = k, indices
+    >= k of that step are handed out only once ``<prefix>/release/<step>`` is set; each consumer
+    that blocks there adds 1 to ``<prefix>/waiting/<step>``. Acks count per consumer under
+    ``<prefix>/acked/<step>/<consumer_id>``.
+    """
+
+    def __init__(self, spec: SyntheticSpec, *, store: Any, prefix: str, consumer_id: str = "",
+                 timeout_s: float = 300.0) -> None:
         self.spec = spec
+        self.consumer_id = consumer_id
         self.store = store
         self.prefix = prefix
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._cache: dict[int, Any] = {}
 
     @classmethod
-    def connect(cls, spec: SyntheticSpec, *, host: str, port: int, prefix: str) -> "StoreQueueSource":
+    def connect(cls, spec: SyntheticSpec, *, host: str, port: int, prefix: str,
+                consumer_id: str = "") -> "StoreQueueSource":
         import torch.distributed as dist
 
-        return cls(spec, store=dist.TCPStore(host, port, is_master=False), prefix=prefix)
+        return cls(spec, store=dist.TCPStore(host, port, is_master=False), prefix=prefix, consumer_id=consumer_id)
 
     def _step(self, step: int) -> Any:
         if step not in self._cache:
@@ -143,11 +154,12 @@ class StoreQueueSource:
         idx = int(self.store.add(f"{self.prefix}/next/{step}", 1)) - 1
         if idx >= len(batches):
             return None
-        if step == self.spec.hold_step and idx >= self.spec.hold_after:
+        hold = f"{self.prefix}/hold/{step}"
+        if self.store.check([hold]) and idx >= int(self.store.get(hold)):
             self.store.add(f"{self.prefix}/waiting/{step}", 1)
             self.store.wait([f"{self.prefix}/release/{step}"], self.timeout)
-        key = f"{self.prefix}/acked/{step}"
-        return Delivery(batch=batches[idx], ack=lambda: self.store.add(key, 1),
+        key = f"{self.prefix}/acked/{step}/{self.consumer_id}"
+        return Delivery(batch=batches[idx], ack=lambda: self.store.add(key, 1) > 0,
                         reject=lambda why: self.store.add(f"{self.prefix}/rejected/{step}", 1),
                         batch_id=f"{step}/{idx}")
 
@@ -162,8 +174,8 @@ def open_source(spec: str, *, store_host: str, store_port: int, job_id: str, con
         s = SyntheticSpec.parse(spec)
         prefix = f"gyre/{job_id}/synthetic"
         if store is not None:
-            return StoreQueueSource(s, store=store, prefix=prefix)
-        return StoreQueueSource.connect(s, host=store_host, port=store_port, prefix=prefix)
+            return StoreQueueSource(s, store=store, prefix=prefix, consumer_id=consumer_id)
+        return StoreQueueSource.connect(s, host=store_host, port=store_port, prefix=prefix, consumer_id=consumer_id)
     if spec == "trajectory":
         if not trajectory_address:
             raise ValueError("source 'trajectory' needs the trajectory service address")

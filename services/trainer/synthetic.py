@@ -91,7 +91,9 @@ def make_tree(rng: np.random.Generator, *, vocab: int, depth: int, branching: in
         subtree_end[start:start + length] = end
     return _Tree(input_ids=input_ids, parent=np.concatenate(par), subtree_end=subtree_end,
                  position_ids=np.concatenate(pos), trainable=np.concatenate(train),
-                 old_logprobs=-rng.uniform(0.05, 4.0, size=cursor).astype(np.float32), leaves=leaves)
+                 # Near a random-init model's log-probs (-log vocab), like an on-policy rollout of it.
+                 old_logprobs=(-np.log(vocab) + rng.normal(0.0, 0.05, size=cursor)).astype(np.float32),
+                 leaves=leaves)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""Typed client of the ``Trainer`` service (replicas, the scheduler's orchestrator, tools).
+
+Speaks domain types (``TrainerJob``, ``JoinTicket``, ``Seal``, state dicts of tensors) and raises
+domain errors (``services.common.errors``) carrying the server's status message.
+
+    core = TrainerClient("127.0.0.1:50061")
+    core.start_job(TrainerJob(job_id="j1", model="tiny", source="synthetic:seed=1", num_steps=3))
+    report = core.wait_step(2, timeout_s=60)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import torch
+
+from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common import errors
+from services.common.security import open_channel
+from services.rollout.weights import chunk_state_dict
+from services.trainer import wire
+from services.trainer.elastic import JoinTicket, Seal
+from services.trainer.job import TrainerJob
+from services.trainer.weights import assemble
+
+_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
+    cls.code: cls for cls in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists,
+                              errors.FailedPrecondition, errors.ResourceExhausted, errors.Unavailable,
+                              errors.Aborted, errors.DeadlineExceeded)
+}
+
+
+def domain_error(exc: grpc.RpcError) -> errors.GyreError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or str(code)
+    cls = _CODES.get(code)
+    if cls is None:
+        err = errors.GyreError(f"{code.name}: {details}")
+        err.code = code
+        return err
+    return cls(details)
+
+
+class TrainerClient:
+    """Client of one core trainer; thread-safe (one channel)."""
+
+    def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 60.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = open_channel(address, max_message_mb=max_message_mb)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "TrainerClient":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def start_job(self, job: TrainerJob | trainer_pb2.TrainerJobSpec) -> trainer_pb2.StartJobResponse:
+        spec = job if isinstance(job, trainer_pb2.TrainerJobSpec) else wire.job_to_proto(job)
+        return self._call(self._stub.StartJob, trainer_pb2.StartJobRequest(job=spec), 600.0)
+
+    def stop_job(self, job_id: str) -> int:
+        return int(self._call(self._stub.StopJob, trainer_pb2.StopJobRequest(job_id=job_id), 600.0).step)
+
+    def status(self) -> trainer_pb2.TrainerStatus:
+        return self._call(self._stub.GetStatus, trainer_pb2.GetStatusRequest())
+
+    def wait_step(self, step: int, *, timeout_s: float = 60.0) -> trainer_pb2.StepReport:
+        return self._call(self._stub.WaitStep, trainer_pb2.WaitStepRequest(step=step, timeout_s=timeout_s),
+                          timeout_s + 30.0)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def get_weights(self, version: int = -1, *, wait_s: float = 0.0,
+                    chunk_bytes: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, state_dict) of a published weight version."""
+        req = trainer_pb2.GetWeightsRequest(version=version, wait_s=wait_s, chunk_bytes=chunk_bytes)
+        try:
+            stream = self._stub.GetWeights(req, timeout=wait_s + 600.0)
+            return assemble(wire.chunk_to_dict(c) for c in stream)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+
+    # -- replica protocol -------------------------------------------------------------------------
+    def join_step(self, replica_id: str, cell_id: str) -> tuple[JoinTicket, TrainerJob, str]:
+        r = self._call(self._stub.JoinStep, trainer_pb2.JoinStepRequest(replica_id=replica_id, cell_id=cell_id))
+        ticket = JoinTicket(step=r.step, weight_version=r.weight_version, store_host=r.store_host,
+                            store_port=r.store_port, group_prefix=r.group_prefix)
+        return ticket, wire.job_from_proto(r.job), r.backend
+
+    def await_reduce(self, replica_id: str, step: int, *, timeout_s: float = 3600.0) -> Seal:
+        r = self._call(self._stub.AwaitReduce, trainer_pb2.AwaitReduceRequest(replica_id=replica_id, step=step),
+                       timeout_s)
+        return Seal(step=r.step, rank=r.rank, world_size=r.world_size, group_prefix=r.group_prefix,
+                    release=r.release)
+
+    def leave_step(self, replica_id: str) -> int:
+        return int(self._call(self._stub.LeaveStep, trainer_pb2.LeaveStepRequest(replica_id=replica_id)).step)
+
+    def hand_off_gradients(self, replica_id: str, step: int, grads: dict[str, torch.Tensor], *,
+                           chunk_bytes: int = 4 << 20) -> int:
+        """Stream this replica's gradient sum to the core and leave ``step``."""
+
+        def chunks() -> Iterator[trainer_pb2.GradientChunk]:
+            for c in wire.chunks_from_dicts(chunk_state_dict(grads, step, chunk_bytes=chunk_bytes)):
+                yield trainer_pb2.GradientChunk(replica_id=replica_id, step=step, chunk=c)
+
+        return int(self._call(self._stub.HandOffGradients, chunks(), 600.0).step)
+
+    # -- orchestrator -----------------------------------------------------------------------------
+    def add_replica(self, cell_id: str, *, switch_id: str = "", wait_s: float = 120.0) -> trainer_pb2.AddReplicaResponse:
+        return self._call(self._stub.AddReplica, trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id,
+                                                                               wait_s=wait_s), wait_s + 30.0)
+
+    def release_replica(self, *, cell_id: str = "", replica_id: str = "",
+                        wait_s: float = 0.0) -> trainer_pb2.ReleaseReplicaResponse:
+        req = trainer_pb2.ReleaseReplicaRequest(cell_id=cell_id, replica_id=replica_id, wait_s=wait_s)
+        return self._call(self._stub.ReleaseReplica, req, wait_s + 30.0)

@@ -1,0 +1,48 @@
+"""Configuration of the trainer process (``[trainer]`` in deploy/config/*.toml).
+
+One binary, two modes:
+  core (default)  serves ``Trainer`` gRPC, hosts the rendezvous TCPStore, owns weights/optimizer
+  --replica       a data-parallel replica on a freed cell: ``gyre-trainer --replica --core ADDR
+                  --cell-id X`` joins the core's running step and exits when released
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.common.config import ServerConfig, check, setting
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig(ServerConfig):
+    """The trainer core (rank 0) or, with ``replica``, one elastic data-parallel replica."""
+
+    trajectory_address: str = setting("", "Trajectory service; the default micro-batch source of jobs.")
+    store_host: str = setting("127.0.0.1", "Interface of the rendezvous TCPStore (process groups per step).")
+    store_port: int = setting(0, "Port of the rendezvous TCPStore; 0 picks a free port.")
+    advertise_host: str = setting("", "Host replicas use to reach this core's store; empty = store_host.")
+    member_timeout_s: float = setting(300.0, "A step member that has not reported this long after the core "
+                                             "finished its share is evicted from the step, seconds.")
+    collective_timeout_s: float = setting(600.0, "Timeout of one all-reduce / process-group setup, seconds.")
+    publish_chunk_mb: int = setting(4, "Size of one WeightChunk when streaming weights, MiB.")
+    replica: bool = setting(False, "Run as a data-parallel replica of the core at --core (no server).")
+    core: str = setting("", "Replica mode: address host:port of the core trainer.")
+    cell_id: str = setting("", "Replica mode: the cell this replica runs on.")
+    replica_id: str = setting("", "Replica mode: id of this replica; empty = <cell_id>-<pid>.")
+    replica_device: str = setting("", "Replica mode: torch device; empty = cuda if available, else cpu.")
+    replica_max_steps: int = setting(0, "Replica mode: leave after this many steps (0 = until released).")
+    replica_threads: int = setting(0, "Replica mode: torch intra-op threads (0 = torch's default).")
+    replica_log_dir: str = setting(".gyre/logs", "Core: directory for logs of replicas it spawns (AddReplica).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(0 <= self.store_port < 65536, "store_port", self.store_port, "an integer in [0, 65535]")
+        check(self.member_timeout_s > 0, "member_timeout_s", self.member_timeout_s, "a positive number of seconds")
+        check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
+              "a positive number of seconds")
+        check(1 <= self.publish_chunk_mb <= 256, "publish_chunk_mb", self.publish_chunk_mb, "between 1 and 256 MiB")
+        check(self.replica_max_steps >= 0, "replica_max_steps", self.replica_max_steps, "0 or more")
+        check(self.replica_threads >= 0, "replica_threads", self.replica_threads, "0 or more")
+        if self.replica:
+            check(bool(self.core), "core", self.core, "the core's host:port in replica mode")
+            check(bool(self.cell_id), "cell_id", self.cell_id, "a cell id in replica mode")

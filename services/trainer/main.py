@@ -1,0 +1,89 @@
+"""Entry point ``gyre-trainer``: the core trainer (serves ``Trainer``) or, with --replica, a replica.
+
+    python -m services.trainer.main --port 50071 --trajectory-address 127.0.0.1:50051
+    python -m services.trainer.main --replica --core 127.0.0.1:50071 --cell-id cell-3
+
+Heavy imports (torch, transformers) happen inside the build functions, so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common import security
+from services.common.config import load_config
+from services.common.entry import Built, run_service
+from services.common.logging import setup_logging
+from services.common.server import build_server
+from services.trainer.config import TrainerConfig
+
+TRAINER_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+
+
+def build_trainer(cfg: TrainerConfig) -> Built:
+    from services.trainer.core import CoreTrainer
+    from services.trainer.servicer import TrainerServicer
+    from services.trainer.spawn import ReplicaProcesses
+
+    core = CoreTrainer(store_host=cfg.store_host, store_port=cfg.store_port, advertise_host=cfg.advertise_host,
+                       member_timeout_s=cfg.member_timeout_s, collective_timeout_s=cfg.collective_timeout_s,
+                       publish_chunk_bytes=cfg.publish_chunk_mb << 20)
+    servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
+                               chunk_bytes=cfg.publish_chunk_mb << 20)
+    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
+                          service_names=[TRAINER_SERVICE], host=cfg.host, port=cfg.port,
+                          max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
+    replicas = ReplicaProcesses(f"{cfg.advertise_host or cfg.host}:{server.port}", log_dir=cfg.replica_log_dir)
+    servicer.replicas = replicas
+
+    def on_shutdown() -> None:
+        core.stop()
+        replicas.stop_all()
+
+    return server, on_shutdown
+
+
+def run_replica(cfg: TrainerConfig) -> int:
+    import torch
+
+    from services.trainer.client import TrainerClient
+    from services.trainer.replica import Replica, default_replica_id
+
+    setup_logging(json=cfg.log_json, level=cfg.log_level, service="trainer-replica")
+    if cfg.replica_threads:
+        torch.set_num_threads(cfg.replica_threads)
+    stop = threading.Event()
+    # SIGTERM = give the cell back now: leave at the next micro-batch boundary (hand-off).
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with TrainerClient(cfg.core, max_message_mb=cfg.max_message_mb) as core:
+        Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
+                device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop).run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--replica" in args and not ("-h" in args or "--help" in args):
+        path = None
+        if "--config" in args:
+            i = args.index("--config")
+            path, args = args[i + 1], args[:i] + args[i + 2:]
+        try:
+            cfg = load_config(TrainerConfig, path=path, section="trainer", env_prefix="GYRE_TRAINER_", argv=args)
+            security.configure(security.Security(
+                tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
+                tls_client_ca_file=cfg.tls_client_ca_file, tls_ca_file=cfg.tls_ca_file, auth_token=cfg.auth_token))
+        except ValueError as exc:
+            print(f"gyre-trainer: {exc}", file=sys.stderr)
+            return 2
+        return run_replica(cfg)
+    return run_service("trainer", TrainerConfig, build_trainer, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

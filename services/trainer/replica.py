@@ -1,0 +1,140 @@
+"""An elastic data-parallel replica: the trainer process on a freed cell.
+
+    gyre-trainer --replica --core HOST:PORT --cell-id cell-3
+
+Loop (one iteration per step it takes part in):
+
+    JoinStep                -> step s, weight version v, the core's TCPStore, the job
+    GetWeights(v)           (skipped when it already holds v, i.e. it stayed from step s-1)
+    pull micro-batches of s from the shared queue, accumulate gradient sums, ack each
+    AwaitReduce(s)          -> rank, world (blocks until the core sealed the step)
+    all-reduce SUM in the step's fresh process group
+    released / max steps reached -> exit (the cell is free); else JoinStep again
+
+SIGTERM (the orchestrator wants the cell now): finish the current micro-batch, then hand the
+gradient sum accumulated so far to the core (HandOffGradients) - or just LeaveStep if it trained
+nothing - and exit. Once the step is sealed the replica completes the all-reduce first (the
+others are waiting for it), then exits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.logging import get_logger
+from services.trainer import metrics as m
+from services.trainer.client import TrainerClient
+from services.trainer.core import backend_for, build_learner
+from services.trainer.elastic import all_reduce_step, open_group
+from services.trainer.job import TrainerJob
+from services.trainer.learner import Learner
+from services.trainer.sources import BatchSource, open_source
+from services.trainer.weights import load_state
+
+
+@dataclass
+class ReplicaStats:
+    steps: int = 0
+    micro_batches: int = 0
+    join_latency_s: float = 0.0  # first JoinStep -> ready to train (weights loaded)
+    per_step_batches: dict[int, int] | None = None
+
+
+class Replica:
+    """One replica process's loop; ``stop_event`` requests a graceful leave."""
+
+    def __init__(self, core: TrainerClient, *, replica_id: str, cell_id: str, device: str = "",
+                 max_steps: int = 0, stop_event: threading.Event | None = None) -> None:
+        self.core = core
+        self.replica_id = replica_id
+        self.cell_id = cell_id
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_steps = max_steps
+        self.stop_event = stop_event or threading.Event()
+        self.stats = ReplicaStats(per_step_batches={})
+        self.log = get_logger(__name__, replica_id=replica_id, cell_id=cell_id)
+        self._learner: Learner | None = None
+        self._job: TrainerJob | None = None
+        self._source: BatchSource | None = None
+
+    def run(self) -> ReplicaStats:
+        t0 = time.perf_counter()
+        held_version = -1
+        while not self.stop_event.is_set():
+            ticket, job, backend = self.core.join_step(self.replica_id, self.cell_id)
+            log = self.log.bind(job_id=job.job_id, step=ticket.step)
+            if self._learner is None or self._job is None or self._job.job_id != job.job_id:
+                self._learner = build_learner(job, self.device)
+                self._job = job
+                self._source = open_source(job.source, store_host=ticket.store_host, store_port=ticket.store_port,
+                                           job_id=job.job_id, consumer_id=self.replica_id,
+                                           trajectory_address=job.trajectory_address)
+            learner, source = self._learner, self._source
+            assert source is not None
+            if held_version != ticket.weight_version:
+                _, state = self.core.get_weights(ticket.weight_version, wait_s=3600.0)
+                load_state(learner.model, state)
+                held_version = ticket.weight_version
+            if self.stats.steps == 0:
+                self.stats.join_latency_s = time.perf_counter() - t0
+                log.info("replica ready", join_latency_s=round(self.stats.join_latency_s, 3),
+                         weight_version=held_version)
+            learner.begin_step(ticket.step, ticket.weight_version)
+            trained = 0
+            while not self.stop_event.is_set():
+                d = source.next(ticket.step)
+                if d is None:
+                    break
+                try:
+                    if not learner.train(d.batch, commit=d.ack):
+                        log.warning("micro-batch re-handed before its ack; result discarded", batch_id=d.batch_id)
+                        continue
+                except (InvalidArgument, FailedPrecondition) as exc:
+                    m.REJECTED.labels(reason=type(exc).__name__).inc()
+                    log.error("micro-batch rejected", batch_id=d.batch_id, error=str(exc))
+                    d.reject(str(exc))
+                    continue
+                trained += 1
+                m.MICRO_BATCHES.inc()
+                m.TOKENS.inc(len(d.batch.input_ids))
+            self.stats.micro_batches += trained
+            assert self.stats.per_step_batches is not None
+            self.stats.per_step_batches[ticket.step] = trained
+            if self.stop_event.is_set():
+                self._leave(ticket.step, trained, learner)
+                break
+            seal = self.core.await_reduce(self.replica_id, ticket.step)
+            if seal.world_size > 1:
+                group = open_group(seal, store_host=ticket.store_host, store_port=ticket.store_port,
+                                   backend=backend or backend_for(self.device))
+                all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
+            self.stats.steps += 1
+            held_version = ticket.weight_version  # the core's update makes it stale; next join pulls v+1
+            log.info("replica step done", micro_batches=trained, rank=seal.rank, world=seal.world_size,
+                     release=seal.release)
+            if seal.release or (self.max_steps and self.stats.steps >= self.max_steps):
+                break
+            if ticket.step + 1 >= job.num_steps:
+                break
+        if self._source is not None:
+            self._source.close()
+        self.log.info("replica exits", steps=self.stats.steps, micro_batches=self.stats.micro_batches)
+        return self.stats
+
+    def _leave(self, step: int, trained: int, learner: Learner) -> None:
+        if trained:
+            self.core.hand_off_gradients(self.replica_id, step, learner.handoff_state())
+            self.log.info("left mid-step with hand-off", step=step, micro_batches=trained)
+        else:
+            self.core.leave_step(self.replica_id)
+            self.log.info("left mid-step", step=step)
+
+
+def default_replica_id(cell_id: str) -> str:
+    return f"{cell_id}-{os.getpid()}"

@@ -1,0 +1,151 @@
+"""gRPC adapter of the trainer core: ``Trainer`` service -> ``CoreTrainer`` / ``StepMembership``.
+
+Proto in -> domain (``wire``) -> core -> proto out. Every RPC validates its request; domain
+errors become status codes in the common server interceptor (InvalidArgument -> INVALID_ARGUMENT,
+FailedPrecondition -> FAILED_PRECONDITION, NotFound, DeadlineExceeded ...).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from protos.gyre.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.logging import get_logger
+from services.trainer import wire
+from services.trainer.core import CoreTrainer, backend_for
+from services.trainer.spawn import ReplicaProcesses
+
+log = get_logger(__name__)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, core: CoreTrainer, *, replicas: ReplicaProcesses | None = None,
+                 default_trajectory_address: str = "", chunk_bytes: int = 4 << 20) -> None:
+        self.core = core
+        self.replicas = replicas
+        self.default_trajectory_address = default_trajectory_address
+        self.chunk_bytes = chunk_bytes
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def StartJob(self, request: trainer_pb2.StartJobRequest, context: Any) -> trainer_pb2.StartJobResponse:
+        if not request.HasField("job") or not request.job.job_id:
+            raise InvalidArgument("StartJob needs job.job_id")
+        spec = trainer_pb2.TrainerJobSpec()
+        spec.CopyFrom(request.job)
+        if not spec.trajectory_address and (spec.source or "trajectory") == "trajectory":
+            spec.trajectory_address = self.default_trajectory_address
+        job = wire.job_from_proto(spec)
+        status = self.core.status()
+        if status["job_id"] == job.job_id and status["phase"] not in ("done", "failed", "stopped", "idle"):
+            return trainer_pb2.StartJobResponse(job_id=job.job_id, step=int(status["step"]),
+                                                weight_version=int(status["weight_version"]), already_running=True)
+        self.core.start(job)
+        st = self.core.status()
+        return trainer_pb2.StartJobResponse(job_id=job.job_id, step=int(st["step"]),
+                                            weight_version=int(st["weight_version"]))
+
+    def StopJob(self, request: trainer_pb2.StopJobRequest, context: Any) -> trainer_pb2.StopJobResponse:
+        status = self.core.status()
+        if request.job_id and request.job_id != status["job_id"]:
+            raise NotFound(f"job {request.job_id!r} is not the trainer's job ({status['job_id']!r})")
+        self.core.stop()
+        return trainer_pb2.StopJobResponse(step=int(self.core.status()["step"]))
+
+    def GetStatus(self, request: trainer_pb2.GetStatusRequest, context: Any) -> trainer_pb2.TrainerStatus:
+        st = self.core.status()
+        return trainer_pb2.TrainerStatus(
+            job_id=st["job_id"], phase=st["phase"], step=int(st["step"]), weight_version=int(st["weight_version"]),
+            replicas=[wire.replica_info(m) for m in st["members"]], error=st["error"],
+            num_steps=int(st.get("num_steps", 0)), last_metrics={k: float(v) for k, v in st.get("last", {}).items()},
+            store_address=f"{self.core.store_host}:{self.core.store_port}")
+
+    def WaitStep(self, request: trainer_pb2.WaitStepRequest, context: Any) -> trainer_pb2.StepReport:
+        if request.step < 0 or request.timeout_s < 0:
+            raise InvalidArgument("WaitStep needs step >= 0 and timeout_s >= 0")
+        return wire.step_report_to_proto(self.core.wait_step(request.step, request.timeout_s))
+
+    # -- weights ----------------------------------------------------------------------------------
+    def GetWeights(self, request: trainer_pb2.GetWeightsRequest, context: Any) -> Iterator[common_pb2.WeightChunk]:
+        if request.version < -1 or request.wait_s < 0 or request.chunk_bytes < 0:
+            raise InvalidArgument("GetWeights needs version >= -1, wait_s >= 0 and chunk_bytes >= 0")
+        chunks = self.core.weights.chunks(request.version, chunk_bytes=request.chunk_bytes or self.chunk_bytes,
+                                          timeout_s=request.wait_s)
+        yield from wire.chunks_from_dicts(chunks)
+
+    # -- replica protocol -------------------------------------------------------------------------
+    def _membership(self) -> Any:
+        if self.core.membership is None:
+            raise FailedPrecondition("no job has been started on this trainer")
+        return self.core.membership
+
+    def JoinStep(self, request: trainer_pb2.JoinStepRequest, context: Any) -> trainer_pb2.JoinStepResponse:
+        if not request.replica_id or not request.cell_id:
+            raise InvalidArgument("JoinStep needs replica_id and cell_id")
+        ticket = self._membership().join(request.replica_id, request.cell_id)
+        job = self.core.job
+        return trainer_pb2.JoinStepResponse(
+            step=ticket.step, weight_version=ticket.weight_version, store_host=ticket.store_host,
+            store_port=ticket.store_port, group_prefix=ticket.group_prefix, job=wire.job_to_proto(job),
+            backend=backend_for(self.core.model().parameters().__next__().device))
+
+    def AwaitReduce(self, request: trainer_pb2.AwaitReduceRequest, context: Any) -> trainer_pb2.AwaitReduceResponse:
+        if not request.replica_id or request.step < 0:
+            raise InvalidArgument("AwaitReduce needs replica_id and step >= 0")
+        remaining = context.time_remaining() if context is not None else None
+        seal = self._membership().done(request.replica_id, request.step, timeout_s=remaining)
+        return trainer_pb2.AwaitReduceResponse(step=seal.step, rank=seal.rank, world_size=seal.world_size,
+                                               group_prefix=seal.group_prefix, release=seal.release)
+
+    def LeaveStep(self, request: trainer_pb2.LeaveStepRequest, context: Any) -> trainer_pb2.LeaveStepResponse:
+        if not request.replica_id:
+            raise InvalidArgument("LeaveStep needs replica_id")
+        return trainer_pb2.LeaveStepResponse(step=self._membership().leave(request.replica_id))
+
+    def HandOffGradients(self, request_iterator: Iterator[trainer_pb2.GradientChunk],
+                         context: Any) -> trainer_pb2.LeaveStepResponse:
+        replica_id, step, grads = wire.gradients_from_stream(request_iterator)
+        self.core.hand_off(replica_id, step, grads)
+        return trainer_pb2.LeaveStepResponse(step=step)
+
+    # -- orchestrator -----------------------------------------------------------------------------
+    def AddReplica(self, request: trainer_pb2.AddReplicaRequest, context: Any) -> trainer_pb2.AddReplicaResponse:
+        if not request.cell_id or request.wait_s < 0:
+            raise InvalidArgument("AddReplica needs cell_id and wait_s >= 0")
+        if self.replicas is None:
+            raise FailedPrecondition("this trainer does not start replica processes (cell agents do)")
+        membership = self._membership()
+        spawned = self.replicas.start(request.cell_id, request.switch_id)
+        deadline = time.monotonic() + (request.wait_s or 120.0)
+        while time.monotonic() < deadline:
+            for mem in membership.members():
+                if mem["replica_id"] == spawned.replica_id and not mem["left"]:
+                    return trainer_pb2.AddReplicaResponse(replica_id=spawned.replica_id, step=int(mem["step"]),
+                                                          pid=spawned.proc.pid)
+            if spawned.proc.poll() is not None:
+                raise FailedPrecondition(f"replica process for cell {request.cell_id!r} exited with code "
+                                         f"{spawned.proc.returncode} before joining (log in replica-{request.cell_id}.log)")
+            time.sleep(0.05)
+        raise FailedPrecondition(f"replica for cell {request.cell_id!r} did not join within {request.wait_s or 120.0}s")
+
+    def ReleaseReplica(self, request: trainer_pb2.ReleaseReplicaRequest,
+                       context: Any) -> trainer_pb2.ReleaseReplicaResponse:
+        if not (request.cell_id or request.replica_id) or request.wait_s < 0:
+            raise InvalidArgument("ReleaseReplica needs cell_id or replica_id, and wait_s >= 0")
+        membership = self._membership()
+        replica_id = request.replica_id
+        if not replica_id:
+            mems = [x for x in membership.members() if x["cell_id"] == request.cell_id and not x["left"]]
+            replica_id = str(mems[-1]["replica_id"]) if mems else (
+                self.replicas.replica_of(request.cell_id) if self.replicas else None) or ""
+        if not replica_id:
+            raise NotFound(f"no replica runs on cell {request.cell_id!r}")
+        membership.release(replica_id)
+        released = False
+        # Only a process this core started can be awaited here; a cell agent awaits its own.
+        if request.wait_s > 0 and self.replicas is not None and request.cell_id \
+                and self.replicas.replica_of(request.cell_id) == replica_id:
+            released = self.replicas.wait_exit(request.cell_id, request.wait_s)
+        return trainer_pb2.ReleaseReplicaResponse(replica_id=replica_id, released=released)

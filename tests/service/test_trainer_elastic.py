@@ -1,0 +1,141 @@
+"""Elastic data parallelism with real processes: the update does not depend on who took part.
+
+A core trainer (in this process, real gRPC server + TCPStore) runs 4 steps of a synthetic job;
+replica *processes* (``python -m services.trainer.main --replica``) join and leave:
+
+    step 0: core alone                                  world 1
+    step 1: replica A (started by AddReplica) joins     world 2
+            before any micro-batch is handed out
+    step 2: replica B joins mid-step (after 2 batches)  world 3
+    step 3: B is SIGTERMed mid-step: it hands its       world 2 (+ B's hand-off)
+            gradient sum to the core and exits
+
+The store-backed synthetic queue's hold/release keys make the join points deterministic. The
+weights and metrics after every step must equal (fp32 tolerance) a single-process run of the
+same steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from protos.gyre.v1 import trainer_pb2_grpc
+from services.common.server import build_server
+from services.trainer.client import TrainerClient
+from services.trainer.core import CoreTrainer
+from services.trainer.job import TrainerJob
+from services.trainer.main import TRAINER_SERVICE
+from services.trainer.servicer import TrainerServicer
+from services.trainer.spawn import ReplicaProcesses
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = "synthetic:seed=3,executions=12,tokens=45,depth=1,branching=2,context=6,generated=6,root=10"
+STEPS = 4
+
+
+def _job(job_id: str) -> TrainerJob:
+    return TrainerJob(job_id=job_id, model="tiny", source=SOURCE, num_steps=STEPS, seed=7, attention="sdpa")
+
+
+def _reference() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]:
+    core = CoreTrainer()
+    core.weights.keep = STEPS + 1
+    core.start(_job("ref"), background=False)
+    metrics = [core.run_step().metrics for _ in range(STEPS)]
+    return [core.weights.get(v) for v in range(1, STEPS + 1)], metrics
+
+
+def _wait(pred, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _count(store, key: str) -> int:
+    return int(store.add(key, 0))
+
+
+@pytest.mark.timeout(240)
+def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    ref_weights, ref_metrics = _reference()
+
+    core = CoreTrainer(member_timeout_s=120.0)
+    core.weights.keep = STEPS + 1
+    servicer = TrainerServicer(core)
+    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
+                          service_names=[TRAINER_SERVICE]).start()
+    address = f"127.0.0.1:{server.port}"
+    replicas = ReplicaProcesses(address, log_dir=str(tmp_path), extra_args=("--replica-threads", "1", "--log-json",
+                                                                            "false"))
+    servicer.replicas = replicas
+    client = TrainerClient(address)
+    store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)  # our own connection
+    prefix = "gyre/elastic/synthetic"
+    store.set(f"{prefix}/hold/1", "0")
+    store.set(f"{prefix}/hold/2", "2")
+    store.set(f"{prefix}/hold/3", "3")
+    b_proc: subprocess.Popen[bytes] | None = None
+    try:
+        client.start_job(_job("elastic"))
+        assert client.wait_step(0, timeout_s=60).finished
+
+        # Step 1: A joins while the core waits at the hold, before any micro-batch.
+        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        added = client.add_replica("cell-a", switch_id="sw1", wait_s=120)
+        assert added.step == 1
+        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
+        store.set(f"{prefix}/release/1", "1")
+        r1 = client.wait_step(1, timeout_s=90)
+        assert r1.finished and r1.metrics["world_size"] == 2
+
+        # Step 2: core and A take 2 batches and block; B joins mid-step.
+        _wait(lambda: _count(store, f"{prefix}/waiting/2") >= 2, "core and A to block in step 2")
+        b_proc = subprocess.Popen(
+            [sys.executable, "-m", "services.trainer.main", "--replica", "--core", address, "--cell-id", "cell-b",
+             "--replica-id", "rep-b", "--replica-threads", "1", "--log-json", "false"],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(tmp_path / "b.log", "wb"),
+            stderr=subprocess.STDOUT)
+        _wait(lambda: _count(store, f"{prefix}/waiting/2") >= 3, "replica B to block in step 2")
+        store.set(f"{prefix}/release/2", "1")
+        r2 = client.wait_step(2, timeout_s=90)
+        assert r2.finished and r2.metrics["world_size"] == 3
+        assert _count(store, f"{prefix}/acked/2/rep-b") >= 1
+
+        # Step 3: B is told to go mid-step; it hands its gradient sum off and exits.
+        _wait(lambda: _count(store, f"{prefix}/waiting/3") >= 3, "three consumers to block in step 3")
+        b_proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # let B's handler set its stop flag while it is blocked
+        store.set(f"{prefix}/release/3", "1")
+        r3 = client.wait_step(3, timeout_s=90)
+        assert r3.finished and r3.metrics["world_size"] == 2 and r3.metrics["handed_off"] == 1
+        assert _count(store, f"{prefix}/acked/3/rep-b") >= 1
+        assert b_proc.wait(timeout=60) == 0
+        assert replicas.wait_exit("cell-a", 60)
+
+        for step, (ref_m, report) in enumerate(zip(ref_metrics, (None, r1, r2, r3))):
+            got_m = core.wait_step(step, 1).metrics  # type: ignore[union-attr]
+            for key in ("loss", "pg_loss", "entropy", "clip_frac", "tokens", "micro_batches", "weight_sum"):
+                assert got_m[key] == pytest.approx(ref_m[key], rel=1e-5, abs=1e-6), (step, key)
+            assert got_m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), step
+            got_w = core.weights.get(step + 1)
+            for name, ref_t in ref_weights[step].items():
+                torch.testing.assert_close(got_w[name], ref_t, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+    finally:
+        if b_proc is not None and b_proc.poll() is None:
+            b_proc.kill()
+        replicas.stop_all()
+        client.close()
+        core.stop()
+        server.stop(0)
