@@ -663,7 +663,6 @@ class TorchEngine(InferenceEngine):
         TOKENS.inc(len(rs))
         for r, reason in done:
             self._finish(r, reason)
-        self._kv_tokens = int(self._slots.lens[: self._slots.n].sum())
         STEP_SECONDS.observe(time.perf_counter() - t0)
 
     # ----------------------------------------------------------------- finishing and events
@@ -687,6 +686,7 @@ class TorchEngine(InferenceEngine):
         for r in self._running:
             if r.n_gen > r.emitted:
                 self._deliver(r)
+        self._kv_tokens = int(self._slots.lens[: self._slots.n].sum())
 
     def _deliver(self, r: _Req) -> None:
         lo, hi = r.emitted, r.n_gen

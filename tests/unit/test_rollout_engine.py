@@ -23,12 +23,14 @@ class Collector:
 
     def __init__(self) -> None:
         self.events: dict[str, list[TokenEvent]] = {}
+        self.order: list[str] = []  # request id of every event, in arrival order
         self._done: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
     def __call__(self, ev: TokenEvent) -> None:
         with self._lock:
             self.events.setdefault(ev.request_id, []).append(ev)
+            self.order.append(ev.request_id)
             self._flag(ev.request_id)
             if ev.finished:
                 self._done[ev.request_id].set()
@@ -118,6 +120,23 @@ def test_requests_joining_mid_flight_still_match(model: torch.nn.Module, engine:
     col.wait("early"), col.wait("late")
     assert col.tokens("early") == _hf_greedy(model, first, 40)[0]
     assert col.tokens("late") == _hf_greedy(model, late, 20)[0]
+
+
+def test_chunked_prefill_matches_and_interleaves(model: torch.nn.Module) -> None:
+    eng = TorchEngine(model, device="cpu", prefill_chunk_tokens=16)
+    eng.start()
+    try:
+        col = Collector()
+        short, long = _prompt(20, 6), _prompt(21, 70)
+        eng.submit(GenRequest("short", short, _greedy(30)), col)
+        eng.submit(GenRequest("long", long, _greedy(12)), col)
+        col.wait("short"), col.wait("long")
+        assert col.tokens("long") == _hf_greedy(model, long, 12)[0]
+        assert col.tokens("short") == _hf_greedy(model, short, 30)[0]
+        # the long prompt needed 5 chunks of 16; "short" kept decoding in between
+        assert col.order[: col.order.index("long")].count("short") >= 3
+    finally:
+        eng.stop()
 
 
 def test_stop_tokens_and_context_limit(model: torch.nn.Module) -> None:
