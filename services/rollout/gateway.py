@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,7 +40,7 @@ from services.rollout.calls import (CallMeta, CallResult, EngineLost, MigrationR
                                     check_prompt, check_stop_ids, concat)
 from services.rollout.engine import SamplingParams
 from services.rollout.router import DEAD, DRAINING, READY, EngineEntry, Router
-from services.trajectory.records import TitoCall
+from services.trajectory.records import Role, TitoCall
 
 log = get_logger(__name__)
 
@@ -279,7 +279,7 @@ class Gateway:
             self.router.release(entry.cell_id)
             raise
 
-    def _pump(self, call: GatewayCall) -> Iterator[Piece]:
+    def _pump(self, call: GatewayCall) -> Generator[Piece, None, str | None]:
         """Forward the current source; return the address the request moved to, or None when done."""
         assert call._source is not None
         for piece in call._source:
@@ -373,7 +373,7 @@ class Gateway:
             m = call.meta
             self.on_record(TitoCall(
                 execution_id=m.execution_id, call_id=m.call_id or call.request_id, agent_id=m.agent_id,
-                role=m.role, output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
+                role=Role.parse(m.role), output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
                 prompt_ids=call.prompt_ids, job_id=m.job_id, finished_at_s=time.time(),
                 finish_reason=call.finish_reason))
 

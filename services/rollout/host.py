@@ -250,7 +250,7 @@ class EngineHost:
         return len(self.engine.active_requests())
 
     def load(self) -> dict[str, Any]:
-        load = dict(self.engine.load())
+        load: dict[str, Any] = dict(self.engine.load())
         load["request_ids"] = self.engine.active_requests()
         return load
 

@@ -250,7 +250,7 @@ class OpenAIServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.httpd.server_address[0]}:{self.port}/v1"
+        return f"http://{self.httpd.server_address[0]!s}:{self.port}/v1"
 
     def start(self) -> "OpenAIServer":
         self._thread.start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ class WeightAssembler:
 
 
 def chunk_state_dict(state_dict: "dict[str, torch.Tensor]", version: int, *,
-                     chunk_bytes: int = 4 << 20) -> "Iterator[dict[str, object]]":
+                     chunk_bytes: int = 4 << 20) -> "Iterator[dict[str, Any]]":
     """The chunks (as ``WeightChunk`` fields) that stream ``state_dict`` as weight ``version``."""
     import torch
 
@@ -123,7 +123,7 @@ def chunk_state_dict(state_dict: "dict[str, torch.Tensor]", version: int, *,
     names = list(state_dict)
     for i, name in enumerate(names):
         t = state_dict[name].detach().to("cpu").contiguous()
-        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
         total = len(raw)
         starts = range(0, total, chunk_bytes) if total else [0]
         for s in starts:

@@ -13,14 +13,14 @@ from services.common.errors import InvalidArgument
 from services.rollout.calls import CallMeta, MigrationReport, Piece
 from services.rollout.engine import SamplingParams
 
-ROLE_TO_STR = {common_pb2.ROLE_UNSPECIFIED: "main", common_pb2.ROLE_MAIN: "main",
+ROLE_TO_STR: dict[int, str] = {common_pb2.ROLE_UNSPECIFIED: "main", common_pb2.ROLE_MAIN: "main",
                common_pb2.ROLE_SUBAGENT: "subagent", common_pb2.ROLE_SUMMARY: "summary"}
-STR_TO_ROLE = {"main": common_pb2.ROLE_MAIN, "subagent": common_pb2.ROLE_SUBAGENT,
+STR_TO_ROLE: dict[str, common_pb2.Role] = {"main": common_pb2.ROLE_MAIN, "subagent": common_pb2.ROLE_SUBAGENT,
                "summary": common_pb2.ROLE_SUMMARY}
-TRANSPORT_TO_STR = {rollout_pb2.KV_TRANSPORT_UNSPECIFIED: "auto", rollout_pb2.KV_TRANSPORT_AUTO: "auto",
+TRANSPORT_TO_STR: dict[int, str] = {rollout_pb2.KV_TRANSPORT_UNSPECIFIED: "auto", rollout_pb2.KV_TRANSPORT_AUTO: "auto",
                     rollout_pb2.KV_TRANSPORT_UCX: "ucx", rollout_pb2.KV_TRANSPORT_TCP: "tcp",
                     rollout_pb2.KV_TRANSPORT_REPREFILL: "reprefill"}
-STR_TO_TRANSPORT = {"auto": rollout_pb2.KV_TRANSPORT_AUTO, "ucx": rollout_pb2.KV_TRANSPORT_UCX,
+STR_TO_TRANSPORT: dict[str, rollout_pb2.KvTransport] = {"auto": rollout_pb2.KV_TRANSPORT_AUTO, "ucx": rollout_pb2.KV_TRANSPORT_UCX,
                     "tcp": rollout_pb2.KV_TRANSPORT_TCP, "reprefill": rollout_pb2.KV_TRANSPORT_REPREFILL,
                     "": rollout_pb2.KV_TRANSPORT_UNSPECIFIED}
 

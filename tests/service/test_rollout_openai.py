@@ -6,7 +6,6 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
