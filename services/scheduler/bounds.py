@@ -15,9 +15,15 @@ Training needs ``tokens / train_tok_s`` cell-seconds. Work bound = (rollout + tr
 Chain. Update ``s`` (done at ``D_s``) needs: update ``s-1`` (its weights), then all of step ``s``'s
 tokens trained on at most every cell; and step ``s``'s longest execution, which cannot start
 before weights ``s - k`` exist (``D_{s-k-1}``, k = staleness bound) and runs at least its solo
-latency, after which its whole group (advantages are group-relative) must still be trained::
+latency, after which its whole group (advantages are group-relative) must still be trained; and
+for every window of steps a..s, all their work, which cannot start before weights ``a - k`` exist
+(``work(a..s)``, the work bound of those steps alone)::
 
-    D_s = max(D_{s-1} + W_s, max(D_{s-1}, D_{s-k-1} + Lmax_s) + G_s) + publish_s
+    D_s = max(D_{s-1} + W_s, max(D_{s-1}, D_{s-k-1} + Lmax_s) + G_s,
+              max_a D_{a-k-1} + work(a..s)) + publish_s
+
+The chain bound is ``D_last``. Rollouts never run on the core, so every work bound is also at
+least rollout cell-seconds / (cells - 1).
 """
 
 from __future__ import annotations
@@ -64,46 +70,57 @@ def rollout_cell_seconds(model_work_s: float, env_s: float, cost: CostModel) -> 
             for p in candidates:
                 a = p * a_i + (1 - p) * a_j
                 b = p * b_i + (1 - p) * b_j
-                t_work = model_work_s / a if model_work_s > 0 else 0.0
-                t_env = env_s / b if env_s > 0 else 0.0
                 if (model_work_s > 0 and a <= 0) or (env_s > 0 and b <= 0):
                     continue
+                t_work = model_work_s / a if model_work_s > 0 else 0.0
+                t_env = env_s / b if env_s > 0 else 0.0
                 best = min(best, max(t_work, t_env))
     return float(best)
 
 
 def lower_bound(trace: Sequence[TraceExecution], cost: CostModel, staleness_bound: int) -> LowerBound:
     """max(total work / cells, longest dependent chain) for ``trace`` under ``cost``."""
+    n_steps = max(e.step for e in trace) + 1
     # An execution with a deadline may stop early (how early depends on the schedule), so only
     # executions without one count toward work; all count toward the chain (latency capped).
-    sure = [e for e in trace if e.timeout_s is None]
-    model_work = sum(float(e.model_work_s(cost).sum()) for e in sure)
-    env = sum(float(e.env_s.sum()) for e in sure)
-    rollout_cs = rollout_cell_seconds(model_work, env, cost)
-    tokens_by_step: dict[int, int] = defaultdict(int)
+    model = np.zeros(n_steps)
+    env = np.zeros(n_steps)
+    tokens = np.zeros(n_steps)
     group_tokens: dict[str, int] = defaultdict(int)
-    for e in sure:
-        tokens_by_step[e.step] += e.total_tokens
-        group_tokens[e.group] += e.total_tokens
-    train_cs = sum(tokens_by_step.values()) / cost.train_tok_s
-    work = (rollout_cs + train_cs) / cost.num_cells
-
-    longest: dict[int, TraceExecution] = {}
-    latency: dict[str, float] = {}
+    longest: dict[int, tuple[float, str]] = {}
     for e in trace:
-        latency[e.execution_id] = e.solo_latency_s(cost)
-        cur = longest.get(e.step)
-        if cur is None or latency[e.execution_id] > latency[cur.execution_id]:
-            longest[e.step] = e
+        lat = e.solo_latency_s(cost)
+        if e.step not in longest or lat > longest[e.step][0]:
+            longest[e.step] = (lat, e.group)
+        if e.timeout_s is None:
+            model[e.step] += float(e.model_work_s(cost).sum())
+            env[e.step] += float(e.env_s.sum())
+            tokens[e.step] += e.total_tokens
+            group_tokens[e.group] += e.total_tokens
+
+    def work_of(steps: slice) -> float:
+        """Cell-seconds lower bound of a set of steps' rollout + training (the core never rolls out)."""
+        roll = rollout_cell_seconds(float(model[steps].sum()), float(env[steps].sum()), cost)
+        train = float(tokens[steps].sum()) / cost.train_tok_s
+        return max((roll + train) / cost.num_cells, roll / (cost.num_cells - 1))
+
+    rollout_cs = rollout_cell_seconds(float(model.sum()), float(env.sum()), cost)
+    train_cs = float(tokens.sum()) / cost.train_tok_s
+    work = work_of(slice(0, n_steps))
+
     full_rate = cost.num_cells * cost.train_tok_s
-    done: list[float] = []
-    for s in range(len(longest)):
+    k = staleness_bound
+    done: list[float] = []  # D_s: earliest time update s can be published
+    for s in range(n_steps):
         prev = done[s - 1] if s >= 1 else 0.0
-        start = done[s - staleness_bound - 1] if s - staleness_bound - 1 >= 0 else 0.0
-        e = longest[s]
-        whole_step = prev + tokens_by_step.get(s, 0) / full_rate
-        last_group = max(prev, start + latency[e.execution_id]) + group_tokens.get(e.group, 0) / full_rate
-        done.append(max(whole_step, last_group) + cost.publish_s)
+        start = done[s - k - 1] if s - k - 1 >= 0 else 0.0
+        lat, group = longest[s]
+        whole_step = prev + float(tokens[s]) / full_rate  # step s trains on weights s: after update s-1
+        last_group = max(prev, start + lat) + group_tokens.get(group, 0) / full_rate
+        # All work of steps a..s happens after weights a-k exist and before update s.
+        windows = max((done[a - k - 1] if a - k - 1 >= 0 else 0.0) + work_of(slice(a, s + 1))
+                      for a in range(s + 1))
+        done.append(max(whole_step, last_group, windows) + cost.publish_s)
     chain = done[-1]
-    return LowerBound(lower_bound_s=max(work, chain), work_bound_s=work, chain_bound_s=chain,
+    return LowerBound(lower_bound_s=float(max(work, chain)), work_bound_s=float(work), chain_bound_s=float(chain),
                       rollout_cell_s=rollout_cs, train_cell_s=train_cs)

@@ -40,11 +40,11 @@ class CostModel:
     """KV one execution reserves for its life (its context window; harnesses compact beyond it)."""
     decode_tok_s: float = 50.0
     """Decode speed of one request alone on a cell, tokens/s."""
-    batch_slowdown_at_full: float = 0.15
-    """Per-request decode slowdown when the cell's KV is full (0.15: 15% slower than alone)."""
+    batch_slowdown_at_full: float = 0.10
+    """Per-request decode slowdown when the cell's KV is full (0.10: 10% slower than alone)."""
     prefill_tok_s: float = 8_000.0
     """Prefill speed of one request alone on a cell, tokens/s."""
-    train_tok_s: float = 5_000.0
+    train_tok_s: float = 2_000.0
     """Trajectory tokens one TRAIN cell processes per second (forward + backward)."""
     rollout_to_train_s: float = 8.5
     """Role switch ROLLOUT -> TRAIN (stop engine, start replica, pull weights from the core)."""

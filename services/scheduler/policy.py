@@ -117,6 +117,10 @@ class PolicyParams:
     # elastic: KV tokens one execution reserves (the job's context window). None: inferred from
     # the cells (largest per-execution KV in use), or the whole cell when nothing runs.
     execution_kv_tokens: int | None = None
+    # Admission: a step's rollouts start only once every rollout of the previous step has
+    # finished (one-step-off async as common trainers ship it). False: any step within the
+    # staleness bound may start (fully asynchronous refill; the default, and the stronger).
+    rollout_batches: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -149,12 +153,15 @@ def effective_staleness_bound(params: PolicyParams) -> int:
     return 0 if params.mode is Mode.COLOCATE else params.staleness_bound
 
 
-def may_start(execution_step: int, weight_version: int, params: PolicyParams) -> bool:
+def may_start(execution_step: int, weight_version: int, params: PolicyParams,
+              previous_step_finished: bool = True) -> bool:
     """Whether an execution of ``execution_step`` may start under ``weight_version``.
 
     Its tokens are ``execution_step - weight_version`` versions older than the policy that trains
     them (at worst: an engine may receive newer weights mid-execution).
     """
+    if params.rollout_batches and not previous_step_finished:
+        return False
     return execution_step - weight_version <= effective_staleness_bound(params)
 
 
@@ -299,32 +306,36 @@ def _decide_elastic(view: ClusterView, params: PolicyParams) -> list[Action]:
 def _consolidate(rollout: list[CellView], surplus: int, kv_exec: float, demand: int) -> list[Action]:
     """Free up to ``surplus`` rollout cells for training, emptiest first, migrating their work.
 
-    A cell is freed only when every execution it hosts fits on the remaining rollout cells; the
-    receivers are filled most-loaded first so that the next cells to free stay empty.
+    Cells sorted by load: the emptiest are freed from the bottom, their executions go to the
+    fullest cells with room from the top (so the next cells to free stay empty). A cell is freed
+    only when all it hosts fits; the next one hosts at least as much with fewer receivers, so
+    the first misfit ends the pass. O(cells log cells).
     """
-    room = {c.cell_id: free_slots(c, kv_exec) for c in rollout}
-    freeing: set[str] = set()
+    order = sorted(rollout, key=lambda c: (c.inflight, c.cell_id))
+    room = [free_slots(c, kv_exec) for c in order]
     actions: list[Action] = []
-    for cell in sorted(rollout, key=lambda c: (c.inflight, c.cell_id)):
-        if len(freeing) >= surplus:
+    top = len(order) - 1  # next receiver to fill (fullest with room first)
+    received: set[int] = set()
+    for lo, cell in enumerate(order):
+        if len(actions) >= surplus or lo in received:
             break
-        receivers = sorted((r for r in rollout if r.cell_id != cell.cell_id and r.cell_id not in freeing),
-                           key=lambda r: (-r.inflight, r.cell_id))
-        need, targets = cell.inflight, []
-        for r in receivers:
-            if need <= 0:
-                break
-            take = min(room[r.cell_id], need)
+        need, j, takes = cell.inflight, top, []  # tentative: commit only when everything fits
+        while need > 0 and j > lo:
+            take = min(room[j], need)
             if take > 0:
-                targets.append((r.cell_id, take))
+                takes.append((j, take))
                 need -= take
+            if take == room[j]:
+                j -= 1
         if need > 0:
-            continue  # its work does not fit elsewhere: keep it, try the next cell
-        for cell_id, take in targets:
-            room[cell_id] -= take
-        freeing.add(cell.cell_id)
+            break
+        for k, take in takes:
+            room[k] -= take
+            received.add(k)
+        top = j
+        targets = [order[k].cell_id for k, _ in takes]
         actions.append(_switch(cell, Role.TRAIN, f"elastic: consolidate, rollout demand {demand}",
-                               migrate_to=tuple(cid for cid, _ in targets)))
+                               migrate_to=tuple(targets)))
     return actions
 
 

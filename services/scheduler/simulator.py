@@ -18,6 +18,7 @@ TRAIN from t=0 and never switches. Model calls on a cell advance a per-cell virt
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from services.scheduler.traces import TraceExecution
 QUEUED, MODEL, ENV, TRANSIT, DONE = range(5)
 EV_CELL, EV_ENV, EV_ARRIVE, EV_SWITCH, EV_TRAIN, EV_PUBLISH, EV_WAKE = range(7)
 EPS = 1e-9
+TOKEN_EPS = 1e-3  # training backlog below this many tokens is empty (float rounding)
 
 
 @dataclass
@@ -55,6 +57,9 @@ class SimResult:
     decisions: int
     events: int
     step_done_s: list[float] = field(default_factory=list)
+    # Per step, (last finish - time 90% had finished) / (last finish - first start), averaged:
+    # the share of a step's rollout span spent waiting on its last 10% of executions.
+    rollout_tail_share: float = 0.0
     rollout_cells: int | None = None  # async: the static split
 
     def summary(self) -> dict:
@@ -66,7 +71,8 @@ class SimResult:
 
 class _Exec:
     __slots__ = ("idx", "step", "group", "work", "env", "cum_tokens", "timeout", "turn", "phase", "cell",
-                 "start_t", "vfinish", "remaining", "transit_until", "env_end", "token", "staleness")
+                 "start_t", "vfinish", "remaining", "transit_until", "env_end", "token", "staleness",
+                 "end_t")
 
     def __init__(self, idx: int, e: TraceExecution, group: int, cost: CostModel) -> None:
         self.idx, self.step, self.group = idx, e.step, group
@@ -78,6 +84,7 @@ class _Exec:
         self.start_t = self.vfinish = self.remaining = self.transit_until = self.env_end = 0.0
         self.token = 0  # invalidates stale ENV/ARRIVE events after a migration
         self.staleness = 0
+        self.end_t = 0.0
 
 
 class _Cell:
@@ -105,6 +112,7 @@ class Simulator:
         self.cost, self.params, self.max_events = cost, params, max_events
         self.bound = effective_staleness_bound(params)
         self.slots = cost.slots
+        self.speed = [cost.speed(n) for n in range(self.slots + 1)]  # hot path: a table, not a call
         groups: dict[str, int] = {}
         self.execs = [_Exec(i, e, groups.setdefault(e.group, len(groups)), cost) for i, e in enumerate(trace)]
         self.n_steps = max(e.step for e in self.execs) + 1
@@ -123,6 +131,7 @@ class Simulator:
         self.now = 0.0
         self.version = 0
         self.first_open = 0  # lowest step with unstarted executions
+        self.first_unfinished = 0  # lowest step with unfinished executions
         self.running = 0
         # Training of the update in progress (step == self.version).
         self.avail = [0.0] * (self.n_steps + 1)  # tokens of completed groups per step
@@ -137,6 +146,9 @@ class Simulator:
         self.switches = self.migrations = self.decisions = self.events = self.timeouts = 0
         self.switch_time_total = 0.0
         self.step_done_s: list[float] = []
+        self.calls_done = 0  # model calls completed; each exactly once (nothing recomputed or lost)
+        # (time, cell_id, from role, to role, executions migrated away) for every switch started.
+        self.switch_log: list[tuple[float, str, Role, Role, int]] = []
 
     # -- event plumbing -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -163,8 +175,9 @@ class Simulator:
             elif kind == EV_SWITCH:
                 self._on_switch_done(self.cells[a])
             elif kind == EV_TRAIN:
-                if self.train_epoch == a:
+                if self.train_epoch == a:  # nothing changed since it was planned: the backlog is drained
                     self._advance_training()
+                    self.trained = self.avail[self.version]
                     self._state_changed()
             elif kind == EV_PUBLISH:
                 self._on_publish_done()
@@ -178,9 +191,9 @@ class Simulator:
 
     # -- rollout cells --------------------------------------------------------------------------
     def _advance_cell(self, c: _Cell) -> None:
-        start = max(c.last_t, c.pause_until)
+        start = c.last_t if c.last_t > c.pause_until else c.pause_until
         if c.n_active and self.now > start:
-            c.vclock += (self.now - start) * self.cost.speed(c.n_active)
+            c.vclock += (self.now - start) * self.speed[c.n_active]
         c.last_t = self.now
 
     def _reschedule(self, c: _Cell) -> None:
@@ -189,9 +202,9 @@ class Simulator:
         while c.active and self.execs[c.active[0][1]].phase != MODEL:  # drop migrated calls
             heapq.heappop(c.active)
         if c.n_active and c.active:
-            start = max(self.now, c.pause_until)
-            dt = max(0.0, c.active[0][0] - c.vclock) / self.cost.speed(c.n_active)
-            self._push(start + dt, EV_CELL, c.idx, c.epoch)
+            start = self.now if self.now > c.pause_until else c.pause_until
+            dt = c.active[0][0] - c.vclock
+            self._push(start + (dt if dt > 0 else 0.0) / self.speed[c.n_active], EV_CELL, c.idx, c.epoch)
 
     def _begin_call(self, e: _Exec, c: _Cell, work: float) -> None:
         self._advance_cell(c)
@@ -214,6 +227,7 @@ class Simulator:
                 break
             heapq.heappop(c.active)
             c.n_active -= 1
+            self.calls_done += 1
             e.phase = ENV
             self._end_call(e)
         self._reschedule(c)
@@ -260,6 +274,7 @@ class Simulator:
         c = self.cells[e.cell]
         assert e.phase == ENV
         e.phase = DONE
+        e.end_t = self.now
         c.hosted.discard(e.idx)
         self.running -= 1
         self.timeouts += timed_out
@@ -272,8 +287,18 @@ class Simulator:
         self._state_changed()
 
     # -- admission ------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _last_startable(self) -> int:
+        """The highest step whose rollouts may start now (see ``policy.may_start``)."""
         last = min(self.n_steps - 1, self.version + self.bound)
+        if self.params.rollout_batches:
+            while self.first_unfinished < self.n_steps and \
+                    self.step_finished[self.first_unfinished] == self.step_size[self.first_unfinished]:
+                self.first_unfinished += 1
+            last = min(last, self.first_unfinished)
+        return last
+
+    def _admit(self) -> None:
+        last = self._last_startable()
         mode = self.params.mode
         while self.first_open <= last:
             q = self.queue[self.first_open]
@@ -287,7 +312,7 @@ class Simulator:
             self._start(self.execs[q.popleft()], cell)
 
     def _queued(self) -> int:
-        last = min(self.n_steps - 1, self.version + self.bound)
+        last = self._last_startable()
         return sum(len(self.queue[s]) for s in range(self.first_open, last + 1))
 
     # -- training -------------------------------------------------------------------------------
@@ -306,13 +331,13 @@ class Simulator:
             return
         s = self.version
         backlog = self.avail[s] - self.trained
-        if backlog <= EPS and self.step_finished[s] == self.step_size[s]:
+        if backlog <= TOKEN_EPS and self.step_finished[s] == self.step_size[s]:
             self._account()
             self.publishing = True
             self._push(self.now + self.cost.publish_s, EV_PUBLISH)
             return
         rate = self._train_cells() * self.cost.train_tok_s
-        if backlog > EPS and rate > 0:
+        if backlog > TOKEN_EPS and rate > 0:
             self._push(self.now + backlog / rate, EV_TRAIN, self.train_epoch)
 
     def _on_publish_done(self) -> None:
@@ -355,9 +380,9 @@ class Simulator:
         backlog = self.avail[s] - self.trained
         return ClusterView(now_s=self.now, step=s, weight_version=self.version, cells=cells, queued=self._queued(),
                            running=self.running, finished_in_step=self.step_finished[s],
-                           step_size=self.step_size[s], train_ready=backlog > EPS and not self.publishing,
+                           step_size=self.step_size[s], train_ready=backlog > TOKEN_EPS and not self.publishing,
                            training_active=self.publishing or self.avail[s] > 0,
-                           next_step_allowed=s + 1 < self.n_steps and s + 1 - self.version <= self.bound)
+                           next_step_allowed=s + 1 <= self._last_startable())
 
     def _apply(self, actions: list[Action]) -> None:
         check_actions(self._view(), actions, float(self.cost.execution_kv_tokens))
@@ -366,6 +391,7 @@ class Simulator:
         for a in actions:
             c = by_id[a.cell_id]
             transfer = 0.0
+            hosted_before = len(c.hosted)
             if c.role is Role.ROLLOUT and c.hosted:
                 transfer = self._migrate(c, [by_id[t] for t in a.migrate_to])
             if c.role is Role.IDLE:
@@ -375,6 +401,7 @@ class Simulator:
                 cost = self.cost.rollout_to_train_s if a.to_role is Role.TRAIN else self.cost.train_to_rollout_s
                 c.from_idle = False
             self._advance_cell(c)
+            self.switch_log.append((self.now, c.cell_id, c.role, a.to_role, hosted_before))
             c.role, c.switching_to = Role.SWITCHING, a.to_role
             c.switch_start, c.switch_end = self.now, self.now + transfer + cost
             c.active.clear()
@@ -432,7 +459,7 @@ class Simulator:
         if dt <= 0:
             return
         self.acc_t = self.now
-        training = self.publishing or (self.version < self.n_steps and self.avail[self.version] - self.trained > EPS)
+        training = self.publishing or (self.version < self.n_steps and self.avail[self.version] - self.trained > TOKEN_EPS)
         for c in self.cells:
             if c.role is Role.ROLLOUT:
                 n = len(c.hosted)
@@ -453,12 +480,19 @@ class Simulator:
         self._account()
         total = self.cost.num_cells * self.now
         stale = [e.staleness for e in self.execs]
+        shares = []
+        for s in range(self.n_steps):
+            ends = np.sort([e.end_t for e in self.execs if e.step == s])
+            first = min(e.start_t for e in self.execs if e.step == s)
+            t90 = ends[max(0, math.ceil(0.9 * len(ends)) - 1)]
+            shares.append((ends[-1] - t90) / (ends[-1] - first) if ends[-1] > first else 0.0)
         return SimResult(mode=self.params.mode.value, makespan_s=self.now, utilization=self.busy_cs / total,
                          idle_cell_s=self.idle_cs, switching_cell_s=self.switching_cs, switches=self.switches,
                          mean_switch_s=self.switch_time_total / self.switches if self.switches else 0.0,
                          migrations=self.migrations, mean_staleness=float(np.mean(stale)),
                          max_staleness=int(max(stale)), executions=len(self.execs), timeouts=self.timeouts,
                          decisions=self.decisions, events=self.events, step_done_s=list(self.step_done_s),
+                         rollout_tail_share=float(np.mean(shares)),
                          rollout_cells=self.params.async_rollout_cells if self.params.mode is Mode.ASYNC else None)
 
 
