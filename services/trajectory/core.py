@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -364,6 +364,9 @@ class TrajectoryCore:
                 ex.packed = True
                 ex.tree = None  # trained or not, its records are no longer needed in memory
             if arrays is None or not arrays.num_trainable:
+                if o.trained:
+                    log.warning("trained execution has no generated tokens; nothing to train on", job_id=st.job_id,
+                                step=st.step, execution_id=o.execution_id, calls=ex.num_calls)
                 continue
             st.ready[o.execution_id] = _Ready(adv[o.execution_id], arrays.num_trainable)
             for i, chunk in enumerate(split_tree(o.execution_id, arrays, self._budget(st))):
@@ -420,7 +423,7 @@ class TrajectoryCore:
 
     # ================================================================= trainer side
     def stream(self, job: str, step: int, consumer: str, token_budget: int = 0, *,
-               is_active: Callable[[], bool] = lambda: True) -> Iterator[tuple[BatchMeta, PackedBatch, int]]:
+               is_active: Callable[[], bool] = lambda: True) -> Generator[tuple[BatchMeta, PackedBatch, int], None, None]:
         """Micro-batches of a step for ``consumer`` as (meta, batch, loss-weight denominator) until the
         step is consumed. Closing the iterator returns the consumer's unacknowledged batches."""
         job = job or DEFAULT_JOB
@@ -441,7 +444,7 @@ class TrajectoryCore:
         return self._stream(st, consumer, is_active)
 
     def _stream(self, st: _Step, consumer: str,
-                is_active: Callable[[], bool]) -> Iterator[tuple[BatchMeta, PackedBatch, int]]:
+                is_active: Callable[[], bool]) -> Generator[tuple[BatchMeta, PackedBatch, int], None, None]:
         bound = log.bind(job_id=st.job_id, step=st.step, consumer_id=consumer)
         try:
             while is_active():

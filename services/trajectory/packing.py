@@ -254,6 +254,6 @@ def assemble(chunks: Sequence[Chunk], *, step: int, advantages: Mapping[str, flo
         parts["weight_version"].append(np.where(trainable, t.version[sel], -1))
         parts["execution_index"].append(np.full(size, k, dtype=np.int32))
         offset += size
-    fields = {name: (np.concatenate(parts[name]) if parts[name] else np.zeros(0))
+    fields: dict[str, np.ndarray] = {name: (np.concatenate(parts[name]) if parts[name] else np.zeros(0))
               .astype(DTYPES[name], copy=False) for name in _ARRAYS}
     return PackedBatch(**fields, execution_ids=tuple(exec_ids), step=step)

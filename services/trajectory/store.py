@@ -36,6 +36,10 @@ from services.common.redis_store import Keys
 from services.trajectory.records import Outcome, PromptDelta, Role, Status, TitoCall
 
 
+def _str(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def _h(value: str) -> str:
     """Filesystem-safe, fixed-length name for an arbitrary id."""
     return hashlib.blake2b(value.encode(), digest_size=10).hexdigest()
@@ -151,10 +155,10 @@ class TrajectoryStore:
         return None if raw is None else dict(json.loads(raw))
 
     def jobs(self) -> list[str]:
-        return sorted(x.decode() for x in self.r.smembers(self.keys.key("jobs")))
+        return sorted(_str(x) for x in self.r.smembers(self.keys.key("jobs")))
 
     def executions(self, job_id: str) -> list[str]:
-        return sorted(x.decode() for x in self.r.smembers(self.keys.key("job", job_id, "executions")))
+        return sorted(_str(x) for x in self.r.smembers(self.keys.key("job", job_id, "executions")))
 
     # ----------------------------------------------------------------- steps and batches
     def put_step(self, job_id: str, step: int, spec: StepSpec) -> None:
@@ -177,7 +181,7 @@ class TrajectoryStore:
             self.r.sadd(self.keys.key("step", job_id, step, "released"), *groups)
 
     def released(self, job_id: str, step: int) -> set[str]:
-        return {x.decode() for x in self.r.smembers(self.keys.key("step", job_id, step, "released"))}
+        return {_str(x) for x in self.r.smembers(self.keys.key("step", job_id, step, "released"))}
 
     def add_batch(self, job_id: str, step: int, meta: BatchMeta, data: bytes) -> None:
         self.blobs.put(meta.blob_key, data)
@@ -196,7 +200,7 @@ class TrajectoryStore:
         self.r.sadd(self.keys.key("step", job_id, step, "acked"), batch_id)
 
     def acked(self, job_id: str, step: int) -> set[str]:
-        return {x.decode() for x in self.r.smembers(self.keys.key("step", job_id, step, "acked"))}
+        return {_str(x) for x in self.r.smembers(self.keys.key("step", job_id, step, "acked"))}
 
     def collect_step(self, job_id: str, step: int, execution_ids: Iterable[str], metas: Iterable[BatchMeta]) -> int:
         """Delete the spool payloads of a fully consumed step (records of its executions and its

