@@ -78,6 +78,7 @@ class _Execution:
     outcome: Outcome | None = None
     packed: bool = False
     stats: TreeStats | None = None
+    known_calls: set[str] | None = None  # call ids, kept once the tree is dropped
 
 
 @dataclass
@@ -130,6 +131,10 @@ class TrajectoryCore:
             touched.add((job, call.execution_id))
             with ex.lock:
                 if ex.packed:
+                    if call.call_id in self._known_calls(ex):  # a resend of a record that made it in time
+                        duplicates += 1
+                        RECORDS.labels("duplicate").inc()
+                        continue
                     raise FailedPrecondition(
                         f"execution {call.execution_id!r} of job {job!r} was already packed for training; "
                         f"record {call.call_id!r} arrived too late")
@@ -179,6 +184,12 @@ class TrajectoryCore:
             if ex is None:
                 ex = self._executions[(job, eid)] = _Execution(job, eid)
             return ex
+
+    def _known_calls(self, ex: _Execution) -> set[str]:
+        """Call ids of a packed execution (its tree is gone; resends are recognised by id only)."""
+        if ex.known_calls is None:
+            ex.known_calls = self.store.call_ids(ex.job_id, ex.execution_id)
+        return ex.known_calls
 
     def _tree(self, ex: _Execution) -> ExecutionTree:
         """The execution's tree, rebuilt from storage when not in memory. Caller holds ex.lock."""
@@ -269,6 +280,10 @@ class TrajectoryCore:
                     f"step {step} of job {job!r} is already open with num_executions={spec.num_executions}, "
                     f"group_size={spec.group_size}, token_budget={spec.token_budget}, sealed={spec.sealed}; "
                     f"cannot change {', '.join(changed) or 'a sealed step'}")
+            if wanted.num_executions and wanted.num_executions < len(st.outcomes):
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} already has {len(st.outcomes)} outcomes; it cannot be declared with "
+                    f"num_executions={wanted.num_executions}")
             if wanted != spec:
                 st.spec = wanted
                 self.store.put_step(job, step, wanted)
@@ -362,6 +377,8 @@ class TrajectoryCore:
                     self.store.put_stats(st.job_id, o.execution_id, {
                         **ex.stats.as_dict(), "unique_tokens": tree.num_nodes, "max_paths": st.spec.max_paths})
                 ex.packed = True
+                if ex.tree is not None:
+                    ex.known_calls = {c.call_id for c in ex.tree.calls}
                 ex.tree = None  # trained or not, its records are no longer needed in memory
             if arrays is None or not arrays.num_trainable:
                 if o.trained:

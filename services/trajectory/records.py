@@ -280,7 +280,11 @@ class DeltaEncoder:
         if d.base_call_id:
             if d.base_call_id not in state.end_nodes:
                 raise ValueError(f"call {call.call_id!r}: base call {d.base_call_id!r} was not seen by this encoder")
-            node = state.trie.ancestor(state.end_nodes[d.base_call_id], d.shared_prefix_len - 1)
+            base_end = state.end_nodes[d.base_call_id]
+            if d.shared_prefix_len > state.trie.depth(base_end) + 1:
+                raise ValueError(f"call {call.call_id!r}: delta.shared_prefix_len {d.shared_prefix_len} exceeds the "
+                                 f"length of base call {d.base_call_id!r}")
+            node = state.trie.ancestor(base_end, d.shared_prefix_len - 1)
         seq = np.concatenate((d.new_ids, call.output_ids))
         end, _ = state.trie.insert(node, seq, owner=len(state.call_ids))
         state.call_ids.append(call.call_id)

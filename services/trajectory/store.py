@@ -111,6 +111,9 @@ class TrajectoryStore:
     def num_calls(self, job_id: str, execution_id: str) -> int:
         return int(self.r.llen(self.keys.key("calls", job_id, execution_id)))
 
+    def call_ids(self, job_id: str, execution_id: str) -> set[str]:
+        return {json.loads(raw)["call_id"] for raw in self.r.lrange(self.keys.key("calls", job_id, execution_id), 0, -1)}
+
     def load_calls(self, job_id: str, execution_id: str) -> list[TitoCall]:
         """Every stored record of an execution, in record order, in delta form."""
         out = []

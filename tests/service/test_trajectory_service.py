@@ -181,6 +181,7 @@ def test_groups_stream_before_the_step_ends_and_weights_average_over_executions(
     # records of a packed execution are refused; outcomes of a sealed step too
     with pytest.raises(errors.FailedPrecondition, match="already packed"):
         svc.client.ingest([TitoCall(**{**runs["e0"][0].__dict__, "call_id": "late"})])
+    assert svc.client.ingest(runs["e0"][:2]).duplicates == 2  # resends of records that made it in time
     with pytest.raises(errors.FailedPrecondition, match="closed"):
         svc.client.complete_execution(outcome("e9", "gC", 1.0))
     assert svc.client.complete_execution(outcome("e0", "gA", 1.0))[0]  # identical resend
@@ -253,3 +254,22 @@ def test_full_prompt_delta_encoder_matches_the_service(start) -> None:
     encoded = [enc.encode_call(c) for c in calls]
     s = svc.client.ingest(encoded)
     assert s.record_tokens == sum(c.stored_tokens for c in encoded) < sum(c.stored_tokens for c in calls)
+
+
+def test_step_declarations_are_validated(start) -> None:
+    svc = start()
+    with pytest.raises(errors.InvalidArgument, match="multiple of group_size"):
+        svc.client.open_step(JOB, 5, num_executions=5, group_size=2)
+    svc.client.open_step(JOB, 5, num_executions=4, group_size=2)
+    assert svc.client.open_step(JOB, 5, num_executions=4).group_size == 2  # idempotent, fields merge
+    with pytest.raises(errors.FailedPrecondition, match="cannot change num_executions"):
+        svc.client.open_step(JOB, 5, num_executions=8)
+    with pytest.raises(errors.InvalidArgument, match="consumer_id is required"):
+        list(svc.client.stream_batches(JOB, 5, ""))
+    svc.client.ingest(execution("s0", 1))
+    svc.client.complete_execution(outcome("s0", "g", 1.0, step=6))
+    svc.client.complete_execution(outcome("s1", "g", 0.0, step=6))  # no records at all: nothing to train
+    with pytest.raises(errors.FailedPrecondition, match="already has 2 outcomes"):
+        svc.client.open_step(JOB, 6, num_executions=1)
+    plan = svc.client.close_step(JOB, 6)
+    assert plan.sealed and plan.num_executions == 1 and plan.done is False
