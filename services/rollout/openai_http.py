@@ -330,13 +330,23 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.close_connection = True
 
+    def _discard(self, length: int) -> None:
+        while length > 0:
+            got = self.rfile.read(min(length, 1 << 20))
+            if not got:
+                break
+            length -= len(got)
+
     def _body(self) -> dict[str, Any]:
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             raise InvalidArgument("bad Content-Length") from None
         if length > self.server_ref.max_body_bytes:
-            self.close_connection = True  # the unread body makes the connection unusable
+            if length <= 4 * self.server_ref.max_body_bytes:
+                self._discard(length)  # read it, so the client sees the 413 instead of a broken pipe
+            else:
+                self.close_connection = True  # the unread body makes the connection unusable
             raise ResourceExhausted(f"request body of {length} bytes exceeds the limit of "
                                     f"{self.server_ref.max_body_bytes} bytes")
         raw = self.rfile.read(length) if length else b""

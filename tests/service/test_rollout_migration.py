@@ -118,3 +118,23 @@ def test_drain_moves_seeded_sampling_calls_without_changing_their_tokens(
     assert moved and all(r.cell_id != cell for r in moved)
     assert len([r for r in reports if r.ok]) == len(moved)
     assert all(r.transport == kind for r in reports if r.ok)
+
+
+def test_drain_by_reprefill_sends_no_kv_and_keeps_the_tokens(
+        cluster: tuple[LocalGateway, dict[str, LocalEngine], str]) -> None:
+    gw, engines, kind = cluster
+    if kind != "tcp":
+        pytest.skip("transport-independent; run once")
+    client = register_all(gw, engines)
+    params = SamplingParams(temperature=1.0, max_new_tokens=LONG, seed=5)
+    expected = reference(engines, params)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.generate, CallMeta(execution_id="reprefill", call_id="c"), PROMPT, params)
+        cell = busy_cell(client)
+        time.sleep(0.05)
+        (report,) = client.drain_engine(cell, "reprefill")
+        res = fut.result(timeout=120)
+    np.testing.assert_array_equal(res.output_ids, expected)
+    assert report.ok and report.transport == "reprefill" and res.num_migrations == 1
+    # Only the request header, tokens and RNG state travel: far less than any KV.
+    assert report.bytes < 4 * (len(PROMPT) + LONG) * 2 + 64
