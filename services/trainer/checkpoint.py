@@ -148,9 +148,14 @@ def save_checkpoint(root: str | os.PathLike[str], *, step: int, version: int, mo
     (tmp / "COMPLETE").write_text(json.dumps(manifest))
     _fsync_file(tmp / "COMPLETE")
     _fsync_dir(tmp)
-    if final.exists():  # a re-save of the same version (e.g. after a resume): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    if final.exists() and is_complete(final):
+        # The same version is already safely on disk (a step redone after a resume): keep it,
+        # never delete a good checkpoint to replace it.
+        shutil.rmtree(tmp)
+    else:
+        if final.exists():  # a damaged leftover of this version: move it out of the way first
+            os.rename(final, root / f".tmp-damaged-{name}-{os.getpid()}")
+        os.rename(tmp, final)
     _fsync_dir(root)
     latest_tmp = root / f".LATEST.{os.getpid()}"
     latest_tmp.write_text(name)
@@ -218,7 +223,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, restore_rng: bool = True) -
 def prune_checkpoints(root: str | os.PathLike[str], keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints and any stale tmp dirs of dead saves."""
     root = Path(root)
-    for tmp in root.glob(".tmp-step-*"):
+    for tmp in [*root.glob(".tmp-step-*"), *root.glob(".tmp-damaged-*")]:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)

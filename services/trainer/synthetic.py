@@ -28,6 +28,8 @@ class PathSample:
     old_logprobs: np.ndarray
     advantages: np.ndarray
     loss_weights: np.ndarray  # the node's weight divided by the number of paths through the node
+    execution: int = 0        # index of the execution in the step
+    nodes: np.ndarray | None = None  # tree-local DFS index of each token (its node in the packed tree)
 
 
 @dataclass
@@ -137,7 +139,7 @@ def make_step(seed: int, *, step: int = 0, num_executions: int = 4, vocab: int =
         size += len(tr.input_ids)
     flush()
 
-    paths = [p for i, tr in enumerate(trees) for p in _paths(tr, float(adv[i]), weights[i])]
+    paths = [p for i, tr in enumerate(trees) for p in _paths(tr, float(adv[i]), weights[i], i)]
     return SyntheticStep(batches=batches, paths=paths, tree_tokens=sum(len(t.input_ids) for t in trees),
                          path_tokens=sum(len(p.input_ids) for p in paths))
 
@@ -164,7 +166,7 @@ def _pack(trees: list[_Tree], advs: list[np.float32], weights: list[np.ndarray],
     )
 
 
-def _paths(tree: _Tree, adv: float, weights: np.ndarray) -> list[PathSample]:
+def _paths(tree: _Tree, adv: float, weights: np.ndarray, execution: int) -> list[PathSample]:
     """Root-to-leaf paths of one tree, node weights split over the paths through each node."""
     chains = []
     for leaf in tree.leaves:
@@ -177,5 +179,5 @@ def _paths(tree: _Tree, adv: float, weights: np.ndarray) -> list[PathSample]:
     for c in chains:
         out.append(PathSample(input_ids=tree.input_ids[c], trainable=tree.trainable[c],
                               old_logprobs=tree.old_logprobs[c], advantages=np.full(len(c), adv, np.float32),
-                              loss_weights=weights[c] / through[c]))
+                              loss_weights=weights[c] / through[c], execution=execution, nodes=c))
     return out

@@ -1,0 +1,111 @@
+"""Malformed micro-batches are rejected with precise errors before they touch the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.trainer.batch import validate_batch
+from services.trainer.core import build_learner
+from services.trainer.job import TrainerJob
+from services.trainer.synthetic import make_step
+from services.trajectory.packing import PackedBatch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def batch() -> PackedBatch:
+    b = make_step(2, num_executions=2, micro_batch_tokens=10_000, step=3).batches[0]
+    b.validate()  # the trajectory service's own invariants hold for the synthetic packer too
+    return b
+
+
+def _with(batch: PackedBatch, **arrays: np.ndarray) -> PackedBatch:
+    return dataclasses.replace(batch, **arrays)
+
+
+def test_valid_batch_passes(batch: PackedBatch) -> None:
+    validate_batch(batch, vocab_size=512, step=3, current_version=0)
+
+
+def _edit(batch: PackedBatch, name: str, index: int, value: object) -> PackedBatch:
+    arr = getattr(batch, name).copy()
+    arr[index] = value
+    return _with(batch, **{name: arr})
+
+
+def _first_target(batch: PackedBatch) -> int:
+    return int(np.flatnonzero(batch.trainable)[0])
+
+
+@pytest.mark.parametrize("case,match", [
+    ("short_array", "shape"),
+    ("out_of_vocab", "outside the vocabulary"),
+    ("negative_id", "outside the vocabulary"),
+    ("nan_logprob", "not finite"),
+    ("inf_advantage", "not finite"),
+    ("nan_weight", "not finite"),
+    ("negative_weight", "negative"),
+    ("positive_logprob", "positive log-probability"),
+    ("bad_subtree_end", "subtree_end"),
+    ("parent_after_child", "parent"),
+    ("not_dfs", "DFS"),
+    ("bad_position", "position_ids"),
+    ("trainable_root", "root"),
+    ("future_version", "newer than"),
+    ("float_ids", "integer"),
+    ("bad_execution_index", "execution_index"),
+])
+def test_malformed_batches_rejected(batch: PackedBatch, case: str, match: str) -> None:
+    t = _first_target(batch)
+    n = len(batch.input_ids)
+    end, par = batch.subtree_end, batch.parent
+    # a token with a later sibling: growing its subtree by one swallows that sibling
+    sib = int(np.flatnonzero((par >= 0) & (end < end[np.maximum(par, 0)]))[0])
+    bad = {
+        "short_array": lambda: _with(batch, advantages=batch.advantages[:-1]),
+        "out_of_vocab": lambda: _edit(batch, "input_ids", 5, 512),
+        "negative_id": lambda: _edit(batch, "input_ids", 0, -1),
+        "nan_logprob": lambda: _edit(batch, "old_logprobs", t, np.nan),
+        "inf_advantage": lambda: _edit(batch, "advantages", t, np.inf),
+        "nan_weight": lambda: _edit(batch, "loss_weights", t, np.nan),
+        "negative_weight": lambda: _edit(batch, "loss_weights", t, -0.1),
+        "positive_logprob": lambda: _edit(batch, "old_logprobs", t, 0.5),
+        "bad_subtree_end": lambda: _edit(batch, "subtree_end", 3, n + 1),
+        "parent_after_child": lambda: _edit(batch, "parent", 3, 7),
+        # A token claims a bigger subtree than its descendants: the layout is not a DFS.
+        "not_dfs": lambda: _edit(batch, "subtree_end", sib, int(batch.subtree_end[sib]) + 1),
+        "bad_position": lambda: _edit(batch, "position_ids", 4, 9),
+        "trainable_root": lambda: _edit(batch, "trainable", 0, True),
+        "future_version": lambda: _edit(batch, "weight_version", t, 5),
+        "float_ids": lambda: _with(batch, input_ids=batch.input_ids.astype(np.float32)),
+        "bad_execution_index": lambda: _edit(batch, "execution_index", 0, 7),
+    }[case]()
+    with pytest.raises(InvalidArgument, match=match):
+        validate_batch(bad, vocab_size=512, step=3, current_version=0)
+
+
+def test_unknown_step_is_failed_precondition(batch: PackedBatch) -> None:
+    with pytest.raises(FailedPrecondition, match="step 3.*step 4"):
+        validate_batch(batch, vocab_size=512, step=4)
+
+
+def test_learner_rejects_before_touching_gradients(batch: PackedBatch) -> None:
+    learner = build_learner(TrainerJob(job_id="j", model="tiny", source="synthetic"), "cpu")
+    learner.begin_step(3, 0)
+    with pytest.raises(InvalidArgument):
+        learner.train(_edit(batch, "old_logprobs", _first_target(batch), np.nan))
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in learner.params)  # type: ignore[union-attr]
+    assert learner.stats.counts["micro_batches"] == 0
+    assert learner.train(batch)
+    assert learner.stats.counts["micro_batches"] == 1
+    # A refused ack (re-handed batch) discards the result: no gradient, no statistics.
+    before = [p.grad.clone() for p in learner.params]  # type: ignore[union-attr]
+    assert not learner.train(batch, commit=lambda: False)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, learner.params))
+    assert learner.stats.counts["micro_batches"] == 1

@@ -1,0 +1,101 @@
+"""The policy-gradient objective against hand-computed values (losses, gradients, metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.trainer.objective import ObjectiveConfig, k3_kl, policy_loss
+
+# Four targets: trainer probs p, behaviour probs q -> ratios 1.25, 1.0, 0.5, 2.0.
+P = [0.5, 0.3, 0.2, 0.4]
+Q = [0.4, 0.3, 0.4, 0.2]
+ADV = [1.0, -1.0, -1.0, 2.0]
+W = [0.25, 0.25, 0.25, 0.25]
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logp = torch.tensor([math.log(p) for p in P], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([math.log(q) for q in Q], dtype=torch.float64)
+    return logp, old, torch.tensor(ADV, dtype=torch.float64), torch.tensor(W, dtype=torch.float64)
+
+
+def test_clipped_ppo_matches_hand_computation() -> None:
+    logp, old, adv, w = _inputs()
+    out = policy_loss(logp, old, adv, w, config=ObjectiveConfig(eps_low=0.2, eps_high=0.28))
+    # token 0: r=1.25 A=+1 -> -1.25 (inside); token 1: r=1 A=-1 -> +1;
+    # token 2: r=0.5 A=-1 -> clip at 0.8 -> +0.8 (clip-low); token 3: r=2 A=+2 -> clip 1.28*2 -> -2.56
+    assert out.loss.item() == pytest.approx(0.25 * (-1.25 + 1.0 + 0.8 - 2.56), abs=1e-6)
+    out.loss.backward()
+    # d/dlogp of -w*r*A where unclipped (dr/dlogp = r), 0 where the clip is active.
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad.float(), torch.tensor([-0.25 * 1.25, 0.25, 0.0, 0.0]), atol=1e-6, rtol=0)
+    s = out.sums
+    assert s["clip_frac"].item() == pytest.approx(0.5)
+    assert s["clip_low_frac"].item() == pytest.approx(0.25)
+    assert s["clip_high_frac"].item() == pytest.approx(0.25)
+    assert s["ratio_mean"].item() == pytest.approx(0.25 * (1.25 + 1.0 + 0.5 + 2.0))
+    assert out.ratio_max.item() == pytest.approx(2.0) and out.ratio_min.item() == pytest.approx(0.5)
+    # k3(trainer || behaviour) per token: q/p - log(q/p) - 1
+    k3 = [q / p - math.log(q / p) - 1 for p, q in zip(P, Q)]
+    assert s["mismatch_kl"].item() == pytest.approx(0.25 * sum(k3), abs=1e-6)  # fp32 inside
+    assert s["weight_sum"].item() == pytest.approx(1.0) and s["num_targets"].item() == 4
+
+
+def test_truncated_importance_sampling_matches_hand_computation() -> None:
+    logp, old, adv, w = _inputs()
+    out = policy_loss(logp, old, adv, w, config=ObjectiveConfig(tis_cap=1.5))
+    # IS weights min(r, 1.5) = 1.25, 1, 0.5, 1.5; the proximal ratio is 1 (one update per step).
+    assert out.loss.item() == pytest.approx(0.25 * (-1.25 + 1.0 + 0.5 - 3.0), abs=1e-6)
+    out.loss.backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad.float(), torch.tensor([-0.3125, 0.25, 0.125, -0.75]), atol=1e-6, rtol=0)
+    assert out.sums["tis_trunc_frac"].item() == pytest.approx(0.25)
+    assert out.sums["clip_frac"].item() == 0.0
+
+
+def test_kl_and_entropy_terms() -> None:
+    logp, old, adv, w = _inputs()
+    zero_adv = torch.zeros_like(adv)
+    ref = logp.detach().clone()
+    ref[1] += math.log(2.0)  # ref/pi = 2 at token 1: k3 = 2 - log 2 - 1, d k3/d logp = 1 - 2 = -1
+    ent = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64, requires_grad=True)
+    out = policy_loss(logp, old, zero_adv, w, config=ObjectiveConfig(kl_coef=0.1, entropy_coef=0.01),
+                      entropy=ent, ref_logprobs=ref)
+    expected = 0.1 * 0.25 * (2 - math.log(2) - 1) - 0.01 * 0.25 * (1 + 2 + 3 + 4)
+    assert out.loss.item() == pytest.approx(expected, abs=1e-7)
+    out.loss.backward()
+    assert logp.grad is not None and ent.grad is not None
+    torch.testing.assert_close(logp.grad.float(), torch.tensor([0.0, -0.025, 0.0, 0.0]), atol=1e-7, rtol=0)
+    torch.testing.assert_close(ent.grad.float(), torch.full((4,), -0.0025), atol=1e-9, rtol=0)
+    assert out.sums["entropy"].item() == pytest.approx(2.5)
+
+
+def test_k3_is_nonnegative_and_zero_at_equality() -> None:
+    x = torch.linspace(-3, 3, 13)
+    assert torch.all(k3_kl(x, x) == 0)
+    assert torch.all(k3_kl(x, x.flip(0)) >= 0)
+
+
+def test_zero_weight_tokens_do_not_contribute() -> None:
+    logp, old, adv, _ = _inputs()
+    w = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    out = policy_loss(logp, old, adv, w, config=ObjectiveConfig())
+    assert out.loss.item() == pytest.approx(-1.25)
+
+
+@pytest.mark.parametrize("kwargs", [{"eps_low": 1.0}, {"eps_low": -0.1}, {"eps_high": float("inf")},
+                                    {"tis_cap": 0.5}, {"kl_coef": -1.0}, {"entropy_coef": float("nan")}])
+def test_bad_config_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        ObjectiveConfig(**kwargs)
+
+
+def test_shape_mismatch_and_missing_entropy_rejected() -> None:
+    logp, old, adv, w = _inputs()
+    with pytest.raises(ValueError, match="shape"):
+        policy_loss(logp, old[:3], adv, w, config=ObjectiveConfig())
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(logp, old, adv, w, config=ObjectiveConfig(entropy_coef=0.1))
