@@ -170,7 +170,8 @@ class TreeTensors:
         tgt = np.flatnonzero(np.asarray(batch.trainable))
 
         def t(a: Any, dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+            # A copy: wire batches are read-only views of the received bytes.
+            return torch.tensor(np.asarray(a), dtype=dtype, device=device)
 
         ids = np.asarray(batch.input_ids)
         return cls(
