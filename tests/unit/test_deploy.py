@@ -1,0 +1,264 @@
+"""deploy/ stays in step with the launcher: the systemd units and the compose services run the same
+modules with the same flags as ``services.launcher.service_command``, and every shipped config
+file parses into its services' config classes."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common.config import ServerConfig, load_config
+from services.launcher import ServiceSpec, default_specs, service_command
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+CONFIGS = sorted((DEPLOY / "config").glob("*.toml"))
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+SECTIONS = ("trajectory", "reward", "trainer", "engine", "gateway", "scheduler")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def launcher_specs() -> dict[str, ServiceSpec]:
+    """The launcher's specs by module (all engine cells share one module and flag set)."""
+    out: dict[str, ServiceSpec] = {}
+    for spec in default_specs(num_engines=2):
+        out.setdefault(spec.module, spec)
+    return out
+
+
+def launcher_argv(spec: ServiceSpec) -> list[str]:
+    addresses = {s.name: "127.0.0.1:1" for s in default_specs(num_engines=2)}
+    return service_command(spec, config=Path("cfg.toml"), redis_url="redis://r:6379/0", spool_dir=Path("spool"),
+                           addresses=addresses)
+
+
+def module_and_flags(argv: list[str]) -> tuple[str, list[str]]:
+    """(module after ``-m``, the flag names in order) of a ``python -m module --flag value ...`` line."""
+    assert Path(argv[0]).name.startswith("python"), f"not a python command: {argv}"
+    assert argv[1] == "-m", f"not run as a module: {argv}"
+    return argv[2], [a for a in argv[3:] if a.startswith("--")]
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as {section: {key: [values...]}} (keys may repeat; ``\\`` continues a line)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = pending + raw.strip()
+        pending = ""
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"{path.name}: {line!r} before any [section]"
+        key, eq, value = line.partition("=")
+        assert eq, f"{path.name}: {line!r} is not key=value"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def env_file_vars(path: Path) -> set[str]:
+    """Variable names set (or shown commented out) in an EnvironmentFile example."""
+    names = set()
+    for line in path.read_text().splitlines():
+        m = re.match(r"^#?([A-Z][A-Z0-9_]*)=", line.strip())
+        if m:
+            names.add(m.group(1))
+    return names
+
+
+def config_class(section: str) -> type[ServerConfig]:
+    """The config class of a TOML section: ``services.<pkg>.config.<Section>Config``."""
+    pkg = {"engine": "rollout", "gateway": "rollout"}.get(section, section)
+    try:
+        module = importlib.import_module(f"services.{pkg}.config")
+    except ModuleNotFoundError as exc:
+        if section == "reward" and exc.name == "services.reward.config":
+            pytest.skip("services/reward/config.py is not written yet")
+        raise
+    cls = getattr(module, f"{section.capitalize()}Config")
+    assert issubclass(cls, ServerConfig)
+    return cls
+
+
+def grace_s(config: Path, section: str) -> float:
+    return float(load_config(config_class(section), path=config, section=section).grace_s)
+
+
+def seconds(value: str) -> float:
+    """'45', '45s', '2min', '1m30s' -> seconds (the forms systemd and compose use here)."""
+    total = 0.0
+    for number, unit in re.findall(r"(\d+(?:\.\d+)?)\s*(min|ms|h|m|s)?", value):
+        total += float(number) * {"": 1, "s": 1, "ms": 1e-3, "m": 60, "min": 60, "h": 3600}[unit]
+    assert total > 0, f"cannot read a duration from {value!r}"
+    return total
+
+
+def section_of(module: str) -> str:
+    return next(s.section for s in default_specs(num_engines=1) if s.module == module)
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def gyre_services() -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in compose()["services"].items() if k != "redis"}
+
+
+def env_fields(env: dict[str, str] | list[str]) -> list[tuple[str, str]]:
+    """(section, field) of every GYRE_<SECTION>_<FIELD> variable."""
+    names = list(env) if isinstance(env, dict) else [e.split("=", 1)[0] for e in env]
+    out = []
+    for name in names:
+        m = re.match(r"^GYRE_(TRAJECTORY|REWARD|TRAINER|ENGINE|GATEWAY|SCHEDULER)_(\w+)$", name)
+        if m:
+            out.append((m.group(1).lower(), m.group(2).lower()))
+    return out
+
+
+# -- systemd ------------------------------------------------------------------------------------
+def test_there_is_a_unit_for_every_launcher_service() -> None:
+    modules = {module_and_flags(shlex.split(parse_unit(u)["Service"]["ExecStart"][0]))[0] for u in UNITS}
+    assert modules == set(launcher_specs()), "deploy/systemd and services.launcher list different services"
+    assert (DEPLOY / "systemd" / "gyre-engine@.service").exists(), "engine cells need the templated unit"
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_runs_the_launcher_command(unit: Path) -> None:
+    service = parse_unit(unit)["Service"]
+    (exec_start,) = service["ExecStart"]
+    argv = shlex.split(exec_start)
+    module, flags = module_and_flags(argv)
+    spec = launcher_specs()[module]
+    assert (module, flags) == module_and_flags(launcher_argv(spec))
+    assert flag_value(argv, "--config") == "/etc/gyre/gyre.toml"
+    if module == "services.rollout.engine_main":
+        assert "@" in unit.name and flag_value(argv, "--cell-id") == "%i", "one templated unit per engine cell"
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_restarts_and_outlasts_the_grace_period(unit: Path) -> None:
+    service = parse_unit(unit)["Service"]
+    argv = shlex.split(service["ExecStart"][0])
+    assert service["Restart"] == ["on-failure"]
+    assert service.get("KillSignal", ["SIGTERM"]) == ["SIGTERM"]
+    # Drain/hand-off and then server.stop(grace_s) may each take grace_s before systemd's SIGKILL.
+    grace = grace_s(DEPLOY / "config" / "systemd.toml", section_of(module_and_flags(argv)[0]))
+    assert seconds(service["TimeoutStopSec"][0]) > 2 * grace
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_variables_are_defined_in_its_environment_files(unit: Path) -> None:
+    service = parse_unit(unit)["Service"]
+    files = service["EnvironmentFile"]
+    assert "/etc/gyre/gyre.env" in files
+    defined = env_file_vars(DEPLOY / "systemd" / "gyre.env.example")
+    if any("engine-%i.env" in f for f in files):
+        defined |= env_file_vars(DEPLOY / "systemd" / "engine-cell.env.example")
+    used = set(re.findall(r"\$\{(\w+)\}", service["ExecStart"][0]))
+    assert used and used <= defined, f"{unit.name} uses {sorted(used - defined)} that no example env file sets"
+
+
+def test_env_examples_name_real_config_fields() -> None:
+    for path in (DEPLOY / "systemd").glob("*.env.example"):
+        for section, field in env_fields(sorted(env_file_vars(path))):
+            names = {f.name for f in dataclasses.fields(config_class(section))}
+            assert field in names, f"{path.name}: GYRE_{section.upper()}_{field.upper()} is not a config field"
+
+
+# -- docker compose -----------------------------------------------------------------------------
+def test_compose_has_every_launcher_service_and_two_engine_cells() -> None:
+    services = gyre_services()
+    by_module: dict[str, list[str]] = {}
+    for name, svc in services.items():
+        by_module.setdefault(module_and_flags(svc["command"])[0], []).append(name)
+    assert set(by_module) == set(launcher_specs())
+    engines = by_module["services.rollout.engine_main"]
+    assert len(engines) == 2
+    assert len({services[e]["image"] for e in engines} | {s["image"] for s in services.values()}) == 1
+    cells = [flag_value(services[e]["command"], "--cell-id") for e in engines]
+    assert len(set(cells)) == 2
+    (gateway,) = by_module["services.rollout.gateway_main"]
+    registered = flag_value(services[gateway]["command"], "--engine-addresses").split(",")
+    engine_port = load_config(config_class("engine"), path=DEPLOY / "config" / "compose.toml", section="engine").port
+    assert sorted(registered) == sorted(f"{c}={e}:{engine_port}" for c, e in zip(cells, engines))
+
+
+@pytest.mark.parametrize("name", sorted(gyre_services()))
+def test_compose_service_runs_the_launcher_command(name: str) -> None:
+    svc = gyre_services()[name]
+    argv = [str(a) for a in svc["command"]]
+    module, flags = module_and_flags(argv)
+    assert (module, flags) == module_and_flags(launcher_argv(launcher_specs()[module]))
+    config_in_container = flag_value(argv, "--config")
+    mounts = [v.split(":") for v in svc["volumes"]]
+    assert ["./config/compose.toml", config_in_container, "ro"] in mounts, "the config file must be mounted"
+
+
+@pytest.mark.parametrize("name", sorted(gyre_services()))
+def test_compose_healthcheck_probes_the_services_own_port(name: str) -> None:
+    svc = gyre_services()[name]
+    section = section_of(module_and_flags(svc["command"])[0])
+    compose_toml = DEPLOY / "config" / "compose.toml"
+    port = load_config(config_class(section), path=compose_toml, section=section).port
+    assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck", f"127.0.0.1:{port}"]
+    assert seconds(svc["stop_grace_period"]) > 2 * grace_s(compose_toml, section)
+    assert svc["restart"] in ("on-failure", "unless-stopped", "always")
+    for section_, field in env_fields(svc.get("environment", {})):
+        assert field in {f.name for f in dataclasses.fields(config_class(section_))}
+
+
+def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
+    spec = compose()
+    redis = spec["services"]["redis"]
+    command = [str(c) for c in redis["command"]]
+    assert flag_value(command, "--appendonly") == "yes"
+    data_dir = flag_value(command, "--dir")
+    volume, target = redis["volumes"][0].split(":")[:2]
+    assert target == data_dir and volume in spec["volumes"], "AOF must live on a named volume"
+    for name, svc in gyre_services().items():
+        assert flag_value([str(a) for a in svc["command"]], "--redis-url").startswith("redis://redis:"), name
+
+
+# -- shipped configs ----------------------------------------------------------------------------
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_sections_are_known(path: Path) -> None:
+    data = tomllib.loads(path.read_text())
+    assert set(data) <= {"common", *SECTIONS}, f"{path.name}: unknown sections {set(data) - {'common', *SECTIONS}}"
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_parses_into_the_services_config(path: Path, section: str) -> None:
+    cls = config_class(section)
+    cfg = load_config(cls, path=path, section=section)
+    assert isinstance(cfg, cls)
+    if path.name != "local.toml":  # deployments bind every interface; fixed ports except per-cell engines
+        assert cfg.host == "0.0.0.0"
+        assert cfg.port > 0 or section == "engine"
+
+
+def test_a_typo_in_a_shipped_config_would_be_caught(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text((DEPLOY / "config" / "compose.toml").read_text().replace("token_budget", "token_budgte"))
+    with pytest.raises(ValueError, match="unknown field 'token_budgte'"):
+        load_config(config_class("trajectory"), path=bad, section="trajectory")
