@@ -1,0 +1,153 @@
+"""Every service main boots as a real process with the launcher's command line: health SERVING,
+reflection lists its gyre.v1 services, SIGTERM exits 0 within the grace period; a bad flag, a bad
+value or an unreachable Redis exits 2 with one sentence on stderr and no traceback.
+
+All services start in parallel (ports picked up front so every peer flag is known), so the module
+costs about one torch import, not six.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from grpc_health.v1 import health_pb2
+
+from protos.gyre.v1 import rollout_pb2, scheduler_pb2, trainer_pb2, trajectory_pb2
+from services.launcher import REPO, ServiceSpec, default_specs
+from tests.support.redis_server import free_port
+from tests.support.service_process import (ServiceProcess, health, launcher_args, reflected_services, run_once,
+                                           stop_all)
+
+GRACE_S = 2.0
+CONFIG = REPO / "deploy" / "config" / "local.toml"
+HAS_REWARD = importlib.util.find_spec("services.reward.main") is not None
+
+
+def _names(module: object, *services: str) -> set[str]:
+    return {module.DESCRIPTOR.services_by_name[s].full_name for s in services}  # type: ignore[attr-defined]
+
+
+EXPECTED = {
+    "trajectory": _names(trajectory_pb2, "Trajectory"),
+    "trainer": _names(trainer_pb2, "Trainer"),
+    "engine-0": _names(rollout_pb2, "Engine"),
+    "gateway": _names(rollout_pb2, "Gateway"),
+    "scheduler": _names(scheduler_pb2, "Scheduler", "Worker", "Cells"),
+}
+if HAS_REWARD:
+    from protos.gyre.v1 import reward_pb2  # type: ignore[attr-defined]
+
+    EXPECTED["reward"] = {s.full_name for s in reward_pb2.DESCRIPTOR.services_by_name.values()}
+
+# Extra flags on top of the launcher's: small, fast variants that boot without building a model.
+EXTRA = {"engine-0": ["--model", "random-tiny", "--torch-threads", "1", "--max-batch-size", "4",
+                      "--max-workers", "16"]}
+
+
+def specs() -> list[ServiceSpec]:
+    return [s for s in default_specs(num_engines=1) if s.name in EXPECTED]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, _session_redis) -> Iterator[dict[str, ServiceProcess]]:  # noqa: ANN001
+    work = tmp_path_factory.mktemp("boot")
+    ports = {s.name: free_port() for s in specs()}
+    addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    procs: dict[str, ServiceProcess] = {}
+    try:
+        def start(spec: ServiceSpec) -> None:
+            args = launcher_args(spec, config=CONFIG, redis_url=_session_redis.url, spool_dir=work / "spool",
+                                 addresses=addresses)
+            procs[spec.name] = ServiceProcess.start(
+                spec.name, spec.module, work, [*args, "--grace-s", str(GRACE_S), "--metrics-port", "-1",
+                                               *EXTRA.get(spec.name, [])], port=ports[spec.name])
+
+        # The gateway asks each engine given as bare host:port for its cell id at start, so (like the
+        # launcher) it starts once the engine serves; everything else starts at once.
+        for spec in specs():
+            if spec.name != "gateway":
+                start(spec)
+        procs["engine-0"].wait_ready(timeout_s=180)
+        start(next(s for s in specs() if s.name == "gateway"))
+        for p in procs.values():
+            p.wait_ready(timeout_s=180)
+        yield procs
+    finally:
+        stop_all(list(procs.values()))
+
+
+@pytest.mark.parametrize("name", [s.name for s in specs()])
+def test_service_serves_reflects_and_stops_on_sigterm(cluster: dict[str, ServiceProcess], name: str) -> None:
+    proc = cluster[name]
+    assert health(proc.address) == health_pb2.HealthCheckResponse.SERVING
+    for service in EXPECTED[name]:
+        assert health(proc.address, service) == health_pb2.HealthCheckResponse.SERVING, service
+    listed = reflected_services(proc.address)
+    assert EXPECTED[name] <= listed, f"reflection of {name} lists {sorted(listed)}"
+    assert "grpc.health.v1.Health" in listed
+    # Engines drain (grace) and then stop the server (grace): allow both, plus process exit.
+    code = proc.terminate(timeout_s=2 * GRACE_S + 20)
+    assert code == 0, proc.tail()
+    assert "stopped" in proc.tail(5), proc.tail()
+
+
+def _one_sentence(stderr: str, name: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{stderr}"
+    assert "Traceback" not in stderr
+    assert lines[0].startswith(f"gyre-{name}: "), lines[0]
+    return lines[0]
+
+
+SECTIONS = {s.section: s.module for s in specs()}
+REDIS_USERS = [s for s in SECTIONS if s in ("trajectory", "scheduler", "reward")]
+
+
+def _cases(spool: Path) -> dict[tuple[str, str], list[str]]:
+    """(case, section) -> argv of a start that must fail."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    out = {}
+    for section in SECTIONS:
+        out["unknown-flag", section] = ["--config", str(CONFIG), "--no-such-flag", "1"]
+        out["bad-value", section] = ["--config", str(CONFIG), "--grace-s", "soon"]
+    for section in REDIS_USERS:
+        peers = ["--gateway-address", "127.0.0.1:1", "--trainer-address", "127.0.0.1:1"] if section == "scheduler" else []
+        out["redis-down", section] = ["--config", str(CONFIG), "--redis-url", dead, "--spool-dir", str(spool),
+                                      "--port", "0", *peers]
+    return out
+
+
+@pytest.fixture(scope="module")
+def failed_starts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], subprocess.CompletedProcess[str]]:
+    """Every failing start, run concurrently (an unreachable Redis takes seconds of retries)."""
+    spool = tmp_path_factory.mktemp("spool")
+    cases = _cases(spool)
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        futures = {key: pool.submit(run_once, SECTIONS[key[1]], argv) for key, argv in cases.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_unknown_flag_exits_2_with_one_sentence(failed_starts: dict, section: str) -> None:
+    result = failed_starts["unknown-flag", section]
+    assert result.returncode == 2, result.stderr
+    assert "unknown flag --no-such-flag" in _one_sentence(result.stderr, section)
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_bad_value_exits_2_with_one_sentence(failed_starts: dict, section: str) -> None:
+    result = failed_starts["bad-value", section]
+    assert result.returncode == 2, result.stderr
+    assert "grace_s" in _one_sentence(result.stderr, section)
+
+
+@pytest.mark.parametrize("section", REDIS_USERS)
+def test_unreachable_redis_exits_2_with_one_sentence(failed_starts: dict, section: str) -> None:
+    result = failed_starts["redis-down", section]
+    assert result.returncode == 2, result.stderr
+    assert "unreachable" in _one_sentence(result.stderr, section)
