@@ -113,7 +113,7 @@ def build_tiny_model(
     return model
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: deque.remove / `in` must never compare arrays
 class _Req:
     """Loop-owned state of one request."""
 
@@ -510,7 +510,7 @@ class TorchEngine(InferenceEngine):
     def _maybe_install_weights(self) -> None:
         if self._staged is None:
             return
-        if self.weight_policy == "finish_on_old" and (self._running or any(r.prefill_cache for r in self._waiting)):
+        if self.weight_policy == "finish_on_old" and (self._running or any(r.prefill_cache is not None for r in self._waiting)):
             return  # in-flight requests finish on the old weights first
         tensors, version = self._staged
         params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
@@ -523,7 +523,8 @@ class TorchEngine(InferenceEngine):
             self._lock.notify_all()
         log.info("weights_installed", version=version, tensors=len(tensors), policy=self.weight_policy)
         # KV computed under the old version is stale: recompute it (only "recompute" gets here with work)
-        stale = [r for r in self._running] + [r for r in self._waiting if r.prefill_cache or r.pending_kv]
+        stale = list(self._running) + [r for r in self._waiting
+                                       if r.prefill_cache is not None or r.pending_kv is not None]
         for r in sorted(self._running, key=lambda x: -x.slot):
             self._release_slot(r)
         for r in stale:
@@ -538,7 +539,10 @@ class TorchEngine(InferenceEngine):
                 break
             if r.pending_kv is not None:  # imported with KV: straight into a slot
                 if r.kv_version != self.weight_version:
-                    r.pending_kv = None  # stale (only reachable under "recompute"): re-prefill below
+                    # stale (only reachable under "recompute"): re-prefill below
+                    log.info("imported_kv_stale_recomputing", request_id=r.req.request_id,
+                             kv_version=r.kv_version, weight_version=self.weight_version)
+                    r.pending_kv = None
                 else:
                     self._waiting.remove(r)
                     self._install_slot(r, r.pending_kv, r.pending_kv[0][0].shape[-2])
@@ -673,6 +677,7 @@ class TorchEngine(InferenceEngine):
             self._waiting.remove(r)
         r.prefill_cache = r.pending_kv = None
         r.finish_reason = reason
+        self._kv_tokens = int(self._slots.lens[: self._slots.n].sum())  # current before the caller hears
         self._deliver(r)
         with self._lock:
             self._known.pop(r.req.request_id, None)
