@@ -513,8 +513,10 @@ class TorchEngine(InferenceEngine):
         if self.weight_policy == "finish_on_old" and (self._running or any(r.prefill_cache is not None for r in self._waiting)):
             return  # in-flight requests finish on the old weights first
         tensors, version = self._staged
-        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        # remove_duplicate=False: tied weights (lm_head.weight == embed_tokens.weight) appear under
+        # both names, as in the trainer's state_dict, so a full state_dict installs cleanly.
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         for name, t in tensors.items():
             params[name].copy_(t)
         self._staged = None

@@ -394,3 +394,31 @@ def test_stop_aborts_in_flight_and_rejects_new(model: torch.nn.Module) -> None:
     assert col.wait("long")[-1].finish_reason == "aborted"
     with pytest.raises(FailedPrecondition):
         eng.submit(GenRequest("x", _prompt(2, 8), _greedy(4)), col)
+
+
+def test_full_state_dict_with_tied_embeddings_installs() -> None:
+    """A trainer publishes state_dict() (tied lm_head.weight included); the engine must install it."""
+    import torch
+
+    from services.rollout.engine import GenRequest, SamplingParams
+    from services.rollout.torch_engine import TorchEngine, build_tiny_model
+
+    model = build_tiny_model()
+    assert model.config.tie_word_embeddings and "lm_head.weight" in model.state_dict()
+    engine = TorchEngine(model, model_name="tied")
+    engine.start()
+    try:
+        sd = {k: v.clone() + 0.01 for k, v in model.state_dict().items()}
+        engine.update_weights(sd, version=1)
+        assert engine.wait_weight_version(1, timeout_s=30)
+        events = []
+        engine.submit(GenRequest(request_id="r", prompt_ids=np.array([1, 2, 3], dtype=np.int32),
+                                 params=SamplingParams(temperature=0.0, max_new_tokens=3)), events.append)
+        import time
+
+        deadline = time.monotonic() + 30
+        while not (events and events[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[-1].finished and events[-1].finish_reason == "length" and events[-1].weight_version == 1
+    finally:
+        engine.stop()
