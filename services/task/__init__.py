@@ -1,0 +1,13 @@
+"""The built-in XLong task family and its agent harness.
+
+    dsl.py          GyreStack, the tiny stack language modules are written in (safe interpreter)
+    spec.py         task generator: "build a small repo" of modules with tests, from a task id
+    prompts.py      every segment of text the agent shows the model
+    tokenizer.py    the word-level tokenizer (HF directory with chat template)
+    agent.py        one execution: steps, tests, fixes, retries, sub-agents, compaction, timeout
+    scoring.py      grading a workspace against all tests (what "pass rate" means)
+    demos.py        scripted demonstrations for the warm start
+    model.py        the tiny policy: config, supervised warm start, ensure_builtin_model()
+    local_client.py an in-process ModelClient (evaluation, tests)
+    harness.py      the harness process: scheduler lease -> gateway calls -> reward
+"""

@@ -1,0 +1,134 @@
+"""Demonstrations for the supervised warm start: the real agent loop driven by a scripted policy.
+
+`Demonstrator` is a `ModelClient` that reads the prompt back (`prompts.parse_request`) and answers
+like a careless expert: it translates every step right, except that it has a habit of writing
+``swap`` before ``-`` (right for ``c - _``, wrong for ``_ - c``), and it summarizes contexts
+exactly. Because the demonstrations come from running the *same* agent (same segments,
+compactions, sub-agents and retries), the warm-started model sees exactly the formats it will
+meet in RL.
+
+The deliberate habit is what leaves RL room: the warm-started policy knows the format and the
+translation, but prefers the wrong line for one form of ``-``, so its greedy pass rate sits well
+below the ceiling while sampling still finds correct programs often enough for group-relative
+advantages to have signal.
+
+`training_sequences` turns one execution's calls into maximal token sequences (every call whose
+prompt + output is a prefix of a longer one is folded into it) with a mask of generated positions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.task import prompts
+from services.task.agent import AgentConfig, CallContext, Generation, Sampling, run_execution
+from services.task.spec import TaskParams, TaskSpec, generate_task, step_code
+from services.task.tokenizer import Codec
+
+__all__ = ["DemoNoise", "Demonstrator", "DemoCall", "collect_demonstrations", "training_sequences", "sloppy_line"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoNoise:
+    """How the demonstrator errs: it has a habit of writing ``swap`` before ``-``."""
+
+    minus_swap_pct: int = 55
+    """Percent of ``-`` lines written as ``c swap -`` whatever the step says (first attempts).
+
+    The right line is ``c swap -`` for ``c - _`` and ``c -`` for ``_ - c``; above 50 the
+    warm-started policy prefers the right line for one form and the wrong one for the other, so its
+    greedy pass rate sits well below the ceiling while sampling is right ~45% of the time on the
+    weak form (group-relative RL needs both outcomes in a group)."""
+    fix_minus_swap_pct: int = 55
+    """The same habit in attempts after a failing report (``fix`` turns)."""
+
+    def __post_init__(self) -> None:
+        for name in ("minus_swap_pct", "fix_minus_swap_pct"):
+            if not 0 <= getattr(self, name) <= 100:
+                raise ValueError(f"DemoNoise.{name} must be a percentage, got {getattr(self, name)}.")
+
+
+def sloppy_line(step: str, rng: random.Random, swap_pct: int) -> str:
+    """The demonstrator's code line for a step: right, except ``-`` lines follow its swap habit."""
+    toks = step_code(step).split()
+    if toks[-1] == "-":
+        return f"{toks[0]} swap -" if rng.randrange(100) < swap_pct else f"{toks[0]} -"
+    return " ".join(toks)
+
+
+@dataclass(frozen=True)
+class DemoCall:
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    role: str
+
+
+class Demonstrator:
+    """A scripted `ModelClient` for one task; records every call it answers."""
+
+    def __init__(self, task: TaskSpec, codec: Codec, noise: DemoNoise) -> None:
+        self.task, self.codec, self.noise = task, codec, noise
+        self.calls: list[DemoCall] = []
+
+    def generate(
+        self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *, timeout_s: float
+    ) -> Generation:
+        rng = random.Random(sampling.seed)
+        text = self.codec.tok.decode([int(i) for i in prompt_ids], skip_special_tokens=False)
+        kind, arg = prompts.parse_request(text)
+        if kind == "summarize":
+            answer = prompts.summarize_statuses(text)
+        else:
+            pct = self.noise.fix_minus_swap_pct if prompts.in_fix_turn(text) else self.noise.minus_swap_pct
+            answer = sloppy_line(arg, rng, pct)
+        out = np.concatenate([self.codec.encode(answer), np.asarray([self.codec.eos_id], dtype=np.int32)])
+        out = out[: sampling.max_new_tokens]
+        self.calls.append(DemoCall(np.asarray(prompt_ids, dtype=np.int32).copy(), out, context.role))
+        return Generation(
+            output_ids=out,
+            logprobs=np.zeros(len(out), dtype=np.float32),
+            weight_version=0,
+            finish_reason="stop" if out[-1] == self.codec.eos_id else "length",
+        )
+
+
+def training_sequences(calls: list[DemoCall]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Maximal sequences of one execution with their loss masks (True where a call generated)."""
+    fulls = [np.concatenate([c.prompt_ids, c.output_ids]) for c in calls]
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for i, seq in enumerate(fulls):
+        covered = any(
+            j != i and len(other) > len(seq) and np.array_equal(other[: len(seq)], seq) for j, other in enumerate(fulls)
+        )
+        if covered:
+            continue
+        mask = np.zeros(len(seq), dtype=bool)
+        for c, full in zip(calls, fulls, strict=True):
+            if len(full) <= len(seq) and np.array_equal(seq[: len(full)], full):
+                mask[len(c.prompt_ids) : len(full)] = True
+        out.append((seq, mask))
+    return out
+
+
+def collect_demonstrations(
+    *,
+    num_tasks: int,
+    params: TaskParams,
+    agent: AgentConfig,
+    noise: DemoNoise,
+    codec: Codec,
+    seed: int = 0,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Run the agent with the demonstrator on `num_tasks` train tasks (seeds from a separate range)."""
+    seqs: list[tuple[np.ndarray, np.ndarray]] = []
+    # Demo tasks come from far up the train seed range so they do not repeat RL's first tasks.
+    base = 10**9 + seed * num_tasks
+    for k in range(num_tasks):
+        task = generate_task(base + k, params, split="train")
+        demo = Demonstrator(task, codec, noise)
+        run_execution(task, demo, codec=codec, config=agent, execution_id=f"demo-{seed}-{k}", deadline_s=float("inf"))
+        seqs.extend(training_sequences(demo.calls))
+    return seqs
