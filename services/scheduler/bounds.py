@@ -22,8 +22,9 @@ for every window of steps a..s, all their work, which cannot start before weight
     D_s = max(D_{s-1} + W_s, max(D_{s-1}, D_{s-k-1} + Lmax_s) + G_s,
               max_a D_{a-k-1} + work(a..s)) + publish_s
 
-The chain bound is ``D_last``. Rollouts never run on the core, so every work bound is also at
-least rollout cell-seconds / (cells - 1).
+``chain_bound_s`` is ``D_last`` without the window term (the pure dependency chain),
+``coupled_bound_s`` with it; the lower bound is the largest of work, chain and coupled. Rollouts
+never run on the core, so every work bound is also at least rollout cell-seconds / (cells - 1).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from services.scheduler.traces import TraceExecution
 
 @dataclass(frozen=True)
 class LowerBound:
-    lower_bound_s: float
-    work_bound_s: float
-    chain_bound_s: float
+    lower_bound_s: float  # max of the three below
+    work_bound_s: float  # total work / cells
+    chain_bound_s: float  # longest dependent chain (staleness, update order, longest executions, last groups)
+    coupled_bound_s: float  # the chain with work windows as links (see module docstring)
     rollout_cell_s: float
     train_cell_s: float
 
@@ -110,17 +112,23 @@ def lower_bound(trace: Sequence[TraceExecution], cost: CostModel, staleness_boun
 
     full_rate = cost.num_cells * cost.train_tok_s
     k = staleness_bound
-    done: list[float] = []  # D_s: earliest time update s can be published
-    for s in range(n_steps):
-        prev = done[s - 1] if s >= 1 else 0.0
-        start = done[s - k - 1] if s - k - 1 >= 0 else 0.0
-        lat, group = longest[s]
-        whole_step = prev + float(tokens[s]) / full_rate  # step s trains on weights s: after update s-1
-        last_group = max(prev, start + lat) + group_tokens.get(group, 0) / full_rate
-        # All work of steps a..s happens after weights a-k exist and before update s.
-        windows = max((done[a - k - 1] if a - k - 1 >= 0 else 0.0) + work_of(slice(a, s + 1))
-                      for a in range(s + 1))
-        done.append(max(whole_step, last_group, windows) + cost.publish_s)
-    chain = done[-1]
-    return LowerBound(lower_bound_s=float(max(work, chain)), work_bound_s=float(work), chain_bound_s=float(chain),
+    def chain_dp(with_work: bool) -> float:
+        done: list[float] = []  # D_s: earliest time update s can be published
+        for s in range(n_steps):
+            prev = done[s - 1] if s >= 1 else 0.0
+            start = done[s - k - 1] if s - k - 1 >= 0 else 0.0
+            lat, group = longest[s]
+            whole_step = prev + float(tokens[s]) / full_rate  # step s trains on weights s: after update s-1
+            last_group = max(prev, start + lat) + group_tokens.get(group, 0) / full_rate
+            windows = 0.0
+            if with_work:  # all work of steps a..s happens after weights a-k exist and before update s
+                windows = max((done[a - k - 1] if a - k - 1 >= 0 else 0.0) + work_of(slice(a, s + 1))
+                              for a in range(s + 1))
+            done.append(max(whole_step, last_group, windows) + cost.publish_s)
+        return done[-1]
+
+    chain = chain_dp(False)
+    coupled = chain_dp(True)
+    return LowerBound(lower_bound_s=float(max(work, chain, coupled)), work_bound_s=float(work),
+                      chain_bound_s=float(chain), coupled_bound_s=float(coupled),
                       rollout_cell_s=rollout_cs, train_cell_s=train_cs)

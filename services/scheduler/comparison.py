@@ -49,7 +49,8 @@ class Comparison:
         if "async" in modes and self.async_sweep:
             modes["async"]["sweep"] = {str(k): v for k, v in sorted(self.async_sweep.items())}
         return {"lower_bound_s": self.bound.lower_bound_s, "work_bound_s": self.bound.work_bound_s,
-                "chain_bound_s": self.bound.chain_bound_s, "modes": modes, "ratios": self.ratios()}
+                "chain_bound_s": self.bound.chain_bound_s, "coupled_bound_s": self.bound.coupled_bound_s,
+                "modes": modes, "ratios": self.ratios()}
 
 
 def sweep_async(trace: Sequence[TraceExecution], cost: CostModel, staleness_bound: int, *,

@@ -171,12 +171,15 @@ def slots_per_cell(cell: CellView, execution_kv_tokens: float) -> int:
 
 
 def free_slots(cell: CellView, execution_kv_tokens: float) -> int:
-    """Executions a ROLLOUT cell can still admit."""
+    """Executions a ROLLOUT cell can still admit (slots left, and KV left for a whole window)."""
     if cell.role is not Role.ROLLOUT:
         return 0
-    room = cell.kv_capacity_tokens - cell.kv_used_tokens
-    return max(0, min(slots_per_cell(cell, execution_kv_tokens) - cell.inflight,
-                      int(room // max(execution_kv_tokens, 1.0))))
+    kv = execution_kv_tokens if execution_kv_tokens > 1.0 else 1.0
+    slots = cell.kv_capacity_tokens // kv
+    by_slots = (slots if slots >= 1 else 1) - cell.inflight
+    by_kv = (cell.kv_capacity_tokens - cell.kv_used_tokens) // kv
+    free = by_slots if by_slots < by_kv else by_kv
+    return int(free) if free > 0 else 0
 
 
 def choose_cell(candidates: Iterable[tuple[K, int]], mode: Mode) -> K | None:
@@ -343,7 +346,7 @@ def check_actions(view: ClusterView, actions: list[Action], kv_exec: float) -> N
     """Assert the policy invariants on a batch of actions against the view it came from."""
     by_id = {c.cell_id: c for c in view.cells}
     seen: set[str] = set()
-    room = {c.cell_id: free_slots(c, kv_exec) for c in view.cells}
+    room: dict[str, int] = {}  # free slots of migration targets, computed on first use
     for a in actions:
         cell = by_id.get(a.cell_id)
         assert cell is not None, f"action for unknown cell {a.cell_id}"
@@ -358,6 +361,8 @@ def check_actions(view: ClusterView, actions: list[Action], kv_exec: float) -> N
                 assert target != a.cell_id and target not in seen, f"bad migration target {target}"
                 t = by_id[target]
                 assert t.role is Role.ROLLOUT, f"migration target {target} is not a rollout cell"
+                if target not in room:
+                    room[target] = free_slots(t, kv_exec)
                 take = min(room[target], need)
                 room[target] -= take
                 need -= take

@@ -86,7 +86,7 @@ def format_text(result: Comparison, stats: dict, cells: int) -> str:
              f"{stats['mean_tokens_per_execution'] / 1e3:.0f}K tokens/execution, tail share {stats['tail_share']:.2f}; "
              f"{cells} cells",
              f"lower bound {b.lower_bound_s:,.0f} s = max(work / cells {b.work_bound_s:,.0f} s, "
-             f"longest chain {b.chain_bound_s:,.0f} s)", "",
+             f"longest chain {b.chain_bound_s:,.0f} s, chain with work links {b.coupled_bound_s:,.0f} s)", "",
              f"{'mode':<20}{'makespan s':>12}{'x bound':>9}{'util':>7}{'idle cell-s':>13}{'switches':>10}"
              f"{'stale mean/max':>16}{'split':>7}"]
     for name, r in result.results.items():

@@ -108,7 +108,9 @@ class Simulator:
     """One run of one mode over one trace. ``run()`` once; the object is spent afterwards."""
 
     def __init__(self, trace: Sequence[TraceExecution], cost: CostModel, params: PolicyParams,
-                 *, max_events: int = 50_000_000) -> None:
+                 *, max_events: int = 50_000_000, oracle_longest_first: bool = False) -> None:
+        """``oracle_longest_first``: admit each step's executions longest-first (solo latency). A
+        diagnostic only: no real scheduler knows how long an execution will run."""
         self.cost, self.params, self.max_events = cost, params, max_events
         self.bound = effective_staleness_bound(params)
         self.slots = cost.slots
@@ -117,8 +119,11 @@ class Simulator:
         self.execs = [_Exec(i, e, groups.setdefault(e.group, len(groups)), cost) for i, e in enumerate(trace)]
         self.n_steps = max(e.step for e in self.execs) + 1
         self.queue: list[deque[int]] = [deque() for _ in range(self.n_steps)]
-        for e in self.execs:
-            self.queue[e.step].append(e.idx)
+        order: list[int] = list(range(len(self.execs)))
+        if oracle_longest_first:
+            order = sorted(order, key=lambda i: -trace[i].solo_latency_s(cost))
+        for i in order:
+            self.queue[self.execs[i].step].append(i)
         self.step_size = [len(q) for q in self.queue]
         self.step_finished = [0] * self.n_steps
         self.group_left = [0] * len(groups)
@@ -176,6 +181,7 @@ class Simulator:
                 self._on_switch_done(self.cells[a])
             elif kind == EV_TRAIN:
                 if self.train_epoch == a:  # nothing changed since it was planned: the backlog is drained
+                    self._account()
                     self._advance_training()
                     self.trained = self.avail[self.version]
                     self._state_changed()
@@ -496,10 +502,11 @@ class Simulator:
                          rollout_cells=self.params.async_rollout_cells if self.params.mode is Mode.ASYNC else None)
 
 
-def simulate(trace: Sequence[TraceExecution], cost: CostModel, params: PolicyParams) -> SimResult:
+def simulate(trace: Sequence[TraceExecution], cost: CostModel, params: PolicyParams, *,
+             oracle_longest_first: bool = False) -> SimResult:
     """Run ``trace`` on the cluster ``cost`` under ``params``; every execution runs to its end."""
     if params.mode is Mode.ASYNC and params.async_rollout_cells is not None \
             and params.async_rollout_cells > cost.num_cells - 1:
         raise ValueError(f"async_rollout_cells={params.async_rollout_cells} leaves no room for the core cell "
                          f"(num_cells={cost.num_cells})")
-    return Simulator(trace, cost, params).run()
+    return Simulator(trace, cost, params, oracle_longest_first=oracle_longest_first).run()

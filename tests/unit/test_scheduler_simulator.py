@@ -231,7 +231,7 @@ def test_bench_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for m in out["modes"].values():
         assert m["makespan_s"] >= out["lower_bound_s"]
         assert {"utilization", "idle_cell_s", "switches", "mean_staleness", "max_staleness"} <= set(m)
-    assert out["lower_bound_s"] == max(out["work_bound_s"], out["chain_bound_s"])
+    assert out["lower_bound_s"] == max(out["work_bound_s"], out["chain_bound_s"], out["coupled_bound_s"])
 
 
 def test_bench_cli_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
