@@ -52,6 +52,7 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     port: int = 0
+    metrics_port: int | None = None
     starts: int = 0
 
     @classmethod
@@ -102,7 +103,9 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name} wrote no port file within {timeout_s:.0f}s:\n{self.tail()}")
             time.sleep(0.05)
-        self.port = int(json.loads(self.port_file.read_text())["port"])
+        info = json.loads(self.port_file.read_text())
+        self.port = int(info["port"])
+        self.metrics_port = info.get("metrics_port")
         while health(self.address, security=security) != health_pb2.HealthCheckResponse.SERVING:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name} is not SERVING after {timeout_s:.0f}s:\n{self.tail()}")
