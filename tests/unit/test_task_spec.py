@@ -1,0 +1,73 @@
+"""The XLong task family: deterministic generation, ids, splits, reference solutions, scoring."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.task.scoring import score_workspace
+from services.task.spec import TaskParams, generate_task, step_code, task_from_id, task_ids
+
+
+def test_tasks_are_pure_functions_of_their_id() -> None:
+    params = TaskParams(num_modules=6, max_ops=4, call_pct=60, visible_tests=3, hidden_tests=3)
+    for tid in task_ids(20, params=params) + task_ids(5, split="heldout", params=params):
+        a, b = task_from_id(tid), task_from_id(tid)
+        assert a == b and a.task_id == tid
+        assert len(a.modules) == 6 and all(len(m.tests) == 6 for m in a.modules)
+
+
+def test_splits_differ() -> None:
+    train = {task_from_id(t).to_json().split('"split"')[0] for t in task_ids(30)}
+    held = {task_from_id(t).to_json().split('"split"')[0] for t in task_ids(30, split="heldout")}
+    assert not train & held
+
+
+def test_reference_solutions_pass_every_test_and_wrong_order_fails() -> None:
+    for tid in task_ids(30, params=TaskParams(call_pct=50)):
+        task = task_from_id(tid)
+        files = {task.module_path(m.name): m.reference_code.encode() for m in task.modules}
+        score = score_workspace(task, files)
+        assert score.all_passed and score.reward == 1.0
+    # A `_ - c` step written as `c swap -` computes c - acc: the tests notice.
+    task = next(
+        t for t in map(task_from_id, task_ids(200))
+        if any(s.startswith("_ - ") for s in t.modules[0].steps) and not t.modules[0].calls
+    )
+    m = task.modules[0]
+    wrong = " ".join(step_code(s).replace(" -", " swap -") if s.startswith("_ - ") else step_code(s) for s in m.steps)
+    files = {task.module_path(m.name): wrong.encode()}
+    assert score_workspace(task, files).modules[0].passed < len(m.tests)
+
+
+def test_step_code() -> None:
+    assert step_code("x") == "x"
+    assert step_code("m3 ( x )") == "x m3"
+    assert step_code("_ - 4") == "4 -"
+    assert step_code("4 - _") == "4 swap -"
+    assert step_code("4 * _") == "4 *"
+    with pytest.raises(ValueError):
+        step_code("_ / 4")
+
+
+def test_bad_ids_and_knobs_are_refused() -> None:
+    for bad in ("", "xlong-v1/train/1", "xlong-v1/dev/1/m4.s1-3.c30.t2.h2", "../../etc", "xlong-v1/train/1/m0.s1-3.c30.t2.h2"):
+        with pytest.raises(ValueError):
+            task_from_id(bad)
+    with pytest.raises(ValueError):
+        TaskParams(min_ops=3, max_ops=2)
+    with pytest.raises(ValueError):
+        TaskParams(visible_tests=6, hidden_tests=6)
+
+
+def test_scoring_partial_credit_and_untrusted_files() -> None:
+    task = task_from_id(task_ids(1)[0])
+    ref = {task.module_path(m.name): m.reference_code.encode() for m in task.modules}
+    first_only = {task.module_path(task.modules[0].name): ref[task.module_path(task.modules[0].name)]}
+    s = score_workspace(task, first_only)
+    assert 0 < s.reward < 1 and s.modules[0].ok
+    assert [m.error for m in s.modules[1:]] == ["missing"] * (len(task.modules) - 1)
+    garbage = {**ref, task.module_path("m1"): b"\xff\xfe", "src/evil.gs": b"x"}
+    s = score_workspace(task, garbage)
+    assert s.modules[0].error == "missing" and not s.all_passed
+    s = score_workspace(task, {**ref, task.module_path("m1"): b"x " * 5000})
+    assert s.modules[0].passed == 0
