@@ -21,6 +21,7 @@ role `summary`. A harness never sees cells or migrations; all it needs is `Model
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,7 @@ __all__ = [
     "ModelClient",
     "ExecutionResult",
     "ExecutionTimeout",
+    "ExecutionCancelled",
     "run_execution",
     "run_visible_tests",
 ]
@@ -94,6 +96,10 @@ class ModelClient(Protocol):
 
 class ExecutionTimeout(Exception):
     """The execution's deadline passed; the workspace so far is what gets scored."""
+
+
+class ExecutionCancelled(Exception):
+    """The harness was told to stop (job cancelled, shutdown); the execution ends as failed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,10 +203,13 @@ class _Execution:
         execution_id: str,
         deadline_s: float,
         clock: Callable[[], float],
+        on_progress: Callable[[dict[str, bytes]], None] | None,
+        cancelled: threading.Event | None,
     ) -> None:
         self.task, self.client, self.codec, self.cfg = task, client, codec, config
         self.job_id, self.execution_id = job_id, execution_id
         self.deadline_s, self.clock = deadline_s, clock
+        self.on_progress, self.cancelled = on_progress, cancelled
         self.codes: dict[str, str] = {}
         self.best: dict[str, int] = {}
         self.result = ExecutionResult(status="finished", files={})
@@ -212,6 +221,8 @@ class _Execution:
         return int.from_bytes(digest, "little") >> 1
 
     def _call(self, ctx: _Context, role: Role, max_new_tokens: int) -> np.ndarray:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise ExecutionCancelled()
         remaining = self.deadline_s - self.clock()
         if remaining <= 0:
             raise ExecutionTimeout()
@@ -298,11 +309,11 @@ class _Execution:
                     ctx.append_text(report)
                     break
                 fix = report + prompts.fix_request(module.name)
+                self.result.events["fix_turns"] += 1
                 if self._make_room(ctx, len(self.codec.encode(fix)) + attempt):
                     ctx.append_text(header)  # the report was summarized away: start the module afresh
                 else:
                     ctx.append_text(fix)
-                    self.result.events["fix_turns"] += 1
             if run.passed == run.total:
                 break
         return run
@@ -321,8 +332,14 @@ class _Execution:
                     main.append_text(report)
                 else:
                     self._solve(main, module)
+                if self.on_progress is not None:
+                    # Preserve the workspace as it grows: a timeout or a crash later is scored on it.
+                    self.on_progress(dict(self.result.files))
         except ExecutionTimeout:
             self.result.status = "timeout"
+        except ExecutionCancelled:
+            self.result.status = "failed"
+            self.result.error = "cancelled"
         return self.result
 
 
@@ -336,13 +353,17 @@ def run_execution(
     execution_id: str,
     deadline_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    on_progress: Callable[[dict[str, bytes]], None] | None = None,
+    cancelled: threading.Event | None = None,
 ) -> ExecutionResult:
-    """Run one execution to its end (finished or timeout); errors of the client propagate.
+    """Run one execution to its end (finished, timeout, or failed when `cancelled` is set);
+    errors of the client propagate.
 
-    `deadline_s` is on `clock`'s scale; default: now + config.timeout_s.
+    `deadline_s` is on `clock`'s scale; default: now + config.timeout_s (the earlier of the two
+    when both are given). `on_progress(files)` is called after each module with the workspace.
     """
-    if deadline_s is None:
-        deadline_s = clock() + config.timeout_s
+    own = clock() + config.timeout_s
+    deadline_s = own if deadline_s is None else min(deadline_s, own)
     ex = _Execution(
         task=task,
         client=client,
@@ -352,5 +373,7 @@ def run_execution(
         execution_id=execution_id,
         deadline_s=deadline_s,
         clock=clock,
+        on_progress=on_progress,
+        cancelled=cancelled,
     )
     return ex.run()

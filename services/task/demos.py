@@ -35,26 +35,27 @@ __all__ = ["DemoNoise", "Demonstrator", "DemoCall", "collect_demonstrations", "t
 class DemoNoise:
     """How the demonstrator errs: it has a habit of writing ``swap`` before ``-``."""
 
-    minus_swap_pct: int = 55
-    """Percent of ``-`` lines written as ``c swap -`` whatever the step says (first attempts).
+    minus_swap_pct: int | None = 55
+    """Percent of ``-`` lines written as ``c swap -`` whatever the step says (first attempts);
+    None: no habit, every line right.
 
     The right line is ``c swap -`` for ``c - _`` and ``c -`` for ``_ - c``; above 50 the
     warm-started policy prefers the right line for one form and the wrong one for the other, so its
     greedy pass rate sits well below the ceiling while sampling is right ~45% of the time on the
     weak form (group-relative RL needs both outcomes in a group)."""
-    fix_minus_swap_pct: int = 55
+    fix_minus_swap_pct: int | None = 55
     """The same habit in attempts after a failing report (``fix`` turns)."""
 
     def __post_init__(self) -> None:
         for name in ("minus_swap_pct", "fix_minus_swap_pct"):
-            if not 0 <= getattr(self, name) <= 100:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 100:
                 raise ValueError(f"DemoNoise.{name} must be a percentage, got {getattr(self, name)}.")
 
 
-def sloppy_line(step: str, rng: random.Random, swap_pct: int) -> str:
+def sloppy_line(step: str, rng: random.Random, swap_pct: int | None) -> str:
     """The demonstrator's code line for a step: right, except ``-`` lines follow its swap habit."""
     toks = step_code(step).split()
-    if toks[-1] == "-":
+    if toks[-1] == "-" and swap_pct is not None:
         return f"{toks[0]} swap -" if rng.randrange(100) < swap_pct else f"{toks[0]} -"
     return " ".join(toks)
 

@@ -32,6 +32,15 @@ class LocalRecord:
     weight_version: int
 
 
+# transformers 5.x renamed `past_key_values` to `cache` (the old name warns, then goes away).
+_CACHE_KW = "cache"
+
+
+def _cache_of(out: Any) -> Any:
+    cache = out.get("cache")
+    return cache if cache is not None else out.get("past_key_values")
+
+
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[..., -1, None]
@@ -62,7 +71,7 @@ class LocalModelClient:
         stops = set(sampling.stop_token_ids)
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)[None]
         out = self.model(input_ids=ids, use_cache=True)
-        past = out.past_key_values
+        past = _cache_of(out)
         logits = out.logits[0, -1].float()
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -79,8 +88,8 @@ class LocalModelClient:
             if tok in stops:
                 finish = "stop"
                 break
-            step = self.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            past = step.past_key_values
+            step = self.model(input_ids=torch.tensor([[tok]]), use_cache=True, **{_CACHE_KW: past})
+            past = _cache_of(step)
             logits = step.logits[0, -1].float()
         return np.asarray(tokens, dtype=np.int32), np.asarray(logprobs, dtype=np.float32), finish
 

@@ -1,0 +1,298 @@
+"""The built-in task's harness process: leases executions, runs the agent, reports to reward.
+
+    gyre-harness --scheduler ADDR --gateway ADDR --reward ADDR --concurrency N
+    (python -m services.task.harness ...; every HarnessConfig field is a --flag, TOML [harness])
+
+Each of N worker threads loops:
+
+    scheduler.LeaseExecution ──> payload {"task_id": ...} ──> agent (services.task.agent)
+        │  heartbeat thread: Heartbeat every lease_ttl/3; `cancelled` stops the agent
+        │  model calls ──> rollout gateway (TITO gRPC; prompts delta-encoded against the
+        │                  agent's previous call, the gateway records every call)
+        │  after each module ──> reward.SubmitWorkspace (the workspace is preserved as it grows)
+        └─ end ──> reward.SubmitWorkspace + Score(status) ──> scheduler.CompleteExecution(status)
+
+It is the same path an external harness takes: nothing here knows about cells, migrations or
+training. A model-call failure that survives the retries ends the execution as `failed`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.common import errors
+from services.common.config import check, load_config, setting
+from services.common.logging import get_logger, setup_logging
+from services.task.agent import AgentConfig, CallContext, Generation, Sampling, run_execution
+from services.task.spec import task_from_id
+from services.task.tokenizer import Codec
+
+log = get_logger(__name__)
+
+__all__ = ["HarnessConfig", "GatewayModelClient", "Harness", "main"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarnessConfig:
+    """The built-in harness process."""
+
+    scheduler: str = setting("127.0.0.1:50050", "host:port of the scheduler's worker API.")
+    gateway: str = setting("127.0.0.1:50052", "host:port of the rollout gateway (TITO gRPC).")
+    reward: str = setting("127.0.0.1:50053", "host:port of the reward service.")
+    concurrency: int = setting(4, "Executions run at once (one thread each).")
+    job_id: str = setting("", "Lease only this job's executions; empty = any job.")
+    worker_id: str = setting("", "Name shown in the scheduler; empty = host-pid.")
+    model_dir: str = setting("", "Tokenizer directory of the served model; empty = the built-in tokenizer.")
+    lease_wait_s: float = setting(5.0, "Long-poll wait for work, seconds.")
+    call_timeout_s: float = setting(300.0, "Longest one model call may take, seconds.")
+    call_retries: int = setting(3, "Retries of a model call the gateway answered UNAVAILABLE.")
+    max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
+    context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
+    fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
+    retries: int = setting(1, "Fresh branches from the pre-attempt context after failed fixes.")
+    delegate_every: int = setting(3, "Every n-th module goes to a sub-agent (0 = never).")
+    temperature: float = setting(1.0, "Sampling temperature (0 = greedy, for evaluation).")
+    timeout_s: float = setting(3600.0, "Own cap on one execution, seconds (the lease deadline also applies).")
+    log_json: bool = setting(True, "Log one JSON object per line.")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR.")
+
+    def __post_init__(self) -> None:
+        check(1 <= self.concurrency <= 1024, "concurrency", self.concurrency, "between 1 and 1024")
+        check(self.lease_wait_s >= 0, "lease_wait_s", self.lease_wait_s, ">= 0 seconds")
+        check(self.call_timeout_s > 0, "call_timeout_s", self.call_timeout_s, "> 0 seconds")
+        check(self.call_retries >= 0, "call_retries", self.call_retries, ">= 0")
+        check(self.max_executions >= 0, "max_executions", self.max_executions, ">= 0")
+        for name in ("scheduler", "gateway", "reward"):
+            value = getattr(self, name)
+            check(":" in value, name, value, "host:port")
+        self.agent  # validates the agent knobs
+
+    @property
+    def agent(self) -> AgentConfig:
+        return AgentConfig(context_limit_tokens=self.context_limit_tokens, fix_turns=self.fix_turns,
+                           retries=self.retries, delegate_every=self.delegate_every,
+                           temperature=self.temperature, timeout_s=self.timeout_s)
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays (vectorized)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class GatewayModelClient:
+    """`ModelClient` over the rollout gateway's TITO API, with delta-encoded prompts.
+
+    Each call is sent relative to the previous call of the same agent in the same execution
+    (``prompt = (base prompt + base output)[:shared] + new_ids``), so a long context is not
+    resent every turn. Thread-safe; `forget(execution_id)` drops an ended execution's state.
+    """
+
+    def __init__(self, gateway: Any, *, retries: int = 3) -> None:
+        self.gateway = gateway  # services.rollout.client.GatewayClient
+        self.retries = retries
+        self._last: dict[tuple[str, str], tuple[str, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def forget(self, execution_id: str) -> None:
+        with self._lock:
+            for key in [k for k in self._last if k[0] == execution_id]:
+                del self._last[key]
+
+    def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
+                 timeout_s: float) -> Generation:
+        from services.rollout.calls import CallMeta
+        from services.rollout.engine import SamplingParams
+
+        meta = CallMeta(job_id=context.job_id, execution_id=context.execution_id, call_id=context.call_id,
+                        agent_id=context.agent_id, role=context.role)
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                max_new_tokens=sampling.max_new_tokens, stop_token_ids=sampling.stop_token_ids,
+                                seed=sampling.seed)
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        key = (context.execution_id, context.agent_id)
+        with self._lock:
+            base = self._last.get(key)
+        shared = common_prefix_len(base[1], prompt) if base is not None else 0
+        for attempt in range(self.retries + 1):
+            try:
+                if shared > 0 and base is not None:
+                    try:
+                        res = self.gateway.generate(meta, None, params, base_call_id=base[0],
+                                                    shared_prefix_len=shared, new_ids=prompt[shared:])
+                    except errors.NotFound:
+                        # The gateway no longer knows the base call (restart, eviction): send it all.
+                        res = self.gateway.generate(meta, prompt, params)
+                else:
+                    res = self.gateway.generate(meta, prompt, params)
+                break
+            except errors.Unavailable as exc:
+                if attempt == self.retries:
+                    raise
+                pause = min(5.0, 0.2 * 2**attempt) * (0.5 + random.random())
+                log.warning("model call unavailable; retrying", execution_id=context.execution_id,
+                            call_id=context.call_id, attempt=attempt + 1, pause_s=round(pause, 2), error=str(exc))
+                time.sleep(pause)
+        out = np.asarray(res.output_ids, dtype=np.int32)
+        with self._lock:
+            self._last[key] = (context.call_id, np.concatenate([prompt, out]))
+        return Generation(output_ids=out, logprobs=np.asarray(res.output_logprobs, dtype=np.float32),
+                          weight_version=int(res.weight_version), finish_reason=res.finish_reason)
+
+
+class Harness:
+    """N worker threads leasing and running executions until `stop()` (or max_executions)."""
+
+    def __init__(self, cfg: HarnessConfig, *, scheduler: Any, gateway: Any, reward: Any, codec: Codec) -> None:
+        self.cfg = cfg
+        self.scheduler, self.reward, self.codec = scheduler, reward, codec
+        self.model = GatewayModelClient(gateway, retries=cfg.call_retries)
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:x}"
+        self.stopping = threading.Event()
+        self.done = 0
+        self._done_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Harness:
+        for i in range(self.cfg.concurrency):
+            t = threading.Thread(target=self._worker, name=f"harness-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        for t in self._threads:
+            t.join(timeout_s)
+
+    def _worker(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                lease = self.scheduler.lease(self.worker_id, job_id=self.cfg.job_id, wait_s=self.cfg.lease_wait_s)
+            except errors.GyreError as exc:
+                log.warning("lease failed", error=str(exc))
+                self.stopping.wait(1.0 + random.random())
+                continue
+            if lease is None:
+                continue
+            self._run(lease)
+            with self._done_lock:
+                self.done += 1
+                if self.cfg.max_executions and self.done >= self.cfg.max_executions:
+                    self.stopping.set()
+
+    def _heartbeat(self, lease: Any, cancelled: threading.Event, ended: threading.Event) -> None:
+        every = max(0.5, lease.lease_ttl_s / 3)
+        while not ended.wait(every):
+            try:
+                _deadline, _expires, job_cancelled = self.scheduler.heartbeat(lease.execution_id, lease.lease_token)
+            except errors.GyreError as exc:
+                log.warning("heartbeat failed", execution_id=lease.execution_id, error=str(exc))
+                continue
+            if job_cancelled or self.stopping.is_set():
+                cancelled.set()
+
+    def _run(self, lease: Any) -> None:
+        from services.scheduler.jobs import ExecState
+
+        eid = lease.execution_id
+        blog = log.bind(job_id=lease.job_id, execution_id=eid)
+        cancelled, ended = threading.Event(), threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(lease, cancelled, ended), daemon=True)
+        beat.start()
+        status, reason, task_id = "failed", "", ""
+        files: dict[str, bytes] = {}
+        try:
+            task_id = str(json.loads(lease.payload)["task_id"])
+            task = task_from_id(task_id)
+
+            def preserve(snapshot: dict[str, bytes]) -> None:
+                self.reward.submit_workspace(lease.job_id, eid, snapshot, task_id=task_id)
+
+            result = run_execution(task, self.model, codec=self.codec, config=self.cfg.agent, job_id=lease.job_id,
+                                   execution_id=eid, deadline_s=lease.deadline_s, clock=time.time,
+                                   on_progress=preserve, cancelled=cancelled)
+            status, reason, files = result.status, result.error, result.files
+            blog.info("execution ended", status=status, calls=dict(result.calls), events=dict(result.events),
+                      prompt_tokens=result.prompt_tokens, output_tokens=result.output_tokens)
+        except (ValueError, KeyError, TypeError) as exc:
+            reason = f"bad task payload: {exc}"
+            blog.warning("bad task payload", error=str(exc))
+        except errors.GyreError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            blog.warning("execution failed", error=reason)
+        finally:
+            ended.set()
+            self.model.forget(eid)
+        try:
+            if files:
+                self.reward.submit_workspace(lease.job_id, eid, files, task_id=task_id)
+            self.reward.score(lease.job_id, eid, status, group_id=lease.group_id, step=lease.step, task_id=task_id)
+        except errors.FailedPrecondition:
+            pass  # already scored (a re-leased attempt of an execution that another attempt finished)
+        except errors.GyreError as exc:
+            blog.warning("reward failed", error=str(exc))
+        try:
+            self.scheduler.complete(eid, lease.lease_token, ExecState(status), reason[:500])
+        except errors.GyreError as exc:
+            blog.warning("complete failed", error=str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        from services.common.entry import usage
+
+        print(usage("harness", HarnessConfig).replace("gyre-harness [--config FILE.toml] [--port-file F]",
+                                                      "gyre-harness [--config FILE.toml]"))
+        return 0
+    path = None
+    if "--config" in args:
+        i = args.index("--config")
+        path = args[i + 1] if i + 1 < len(args) else None
+        del args[i : i + 2]
+    try:
+        cfg = load_config(HarnessConfig, path=path, section="harness", env_prefix="GYRE_HARNESS_", argv=args)
+    except ValueError as exc:
+        print(f"gyre-harness: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(json=cfg.log_json, level=cfg.log_level, service="harness")
+    from services.reward.client import RewardClient
+    from services.rollout.client import GatewayClient
+    from services.scheduler.client import SchedulerClient
+
+    codec = Codec.from_dir(cfg.model_dir) if cfg.model_dir else Codec()
+    harness = Harness(cfg, scheduler=SchedulerClient(cfg.scheduler), reward=RewardClient(cfg.reward),
+                      gateway=GatewayClient(cfg.gateway, timeout_s=cfg.call_timeout_s), codec=codec)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("shutdown requested", signal=signal.Signals(signum).name)
+        harness.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    harness.start()
+    log.info("harness running", worker_id=harness.worker_id, concurrency=cfg.concurrency)
+    while not harness.stopping.wait(0.5):
+        pass
+    harness.join(timeout_s=cfg.call_timeout_s)
+    log.info("harness stopped", executions=harness.done)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
