@@ -24,20 +24,43 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 
 
 class PackedBatchLike(Protocol):
-    """Fields of ``services.trajectory.packing.PackedBatch`` the trainer reads."""
+    """Fields of ``services.trajectory.packing.PackedBatch`` the trainer reads (read-only)."""
 
-    input_ids: np.ndarray
-    position_ids: np.ndarray
-    subtree_end: np.ndarray
-    parent: np.ndarray
-    trainable: np.ndarray
-    old_logprobs: np.ndarray
-    advantages: np.ndarray
-    loss_weights: np.ndarray
-    weight_version: np.ndarray
-    execution_index: np.ndarray
-    execution_ids: tuple[str, ...]
-    step: int
+    @property
+    def input_ids(self) -> np.ndarray: ...
+
+    @property
+    def position_ids(self) -> np.ndarray: ...
+
+    @property
+    def subtree_end(self) -> np.ndarray: ...
+
+    @property
+    def parent(self) -> np.ndarray: ...
+
+    @property
+    def trainable(self) -> np.ndarray: ...
+
+    @property
+    def old_logprobs(self) -> np.ndarray: ...
+
+    @property
+    def advantages(self) -> np.ndarray: ...
+
+    @property
+    def loss_weights(self) -> np.ndarray: ...
+
+    @property
+    def weight_version(self) -> np.ndarray: ...
+
+    @property
+    def execution_index(self) -> np.ndarray: ...
+
+    @property
+    def execution_ids(self) -> tuple[str, ...]: ...
+
+    @property
+    def step(self) -> int: ...
 
 
 _INT_FIELDS = ("input_ids", "position_ids", "subtree_end", "parent", "weight_version", "execution_index")

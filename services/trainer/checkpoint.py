@@ -167,10 +167,10 @@ def save_checkpoint(root: str | os.PathLike[str], *, step: int, version: int, mo
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen: dict[tuple[int, int], str] = {}
+    seen: dict[tuple[int, int], str] = {}  # (storage pointer, offset) -> first name
     out = {}
     for k, v in weights.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        key = (v.untyped_storage().data_ptr(), int(v.storage_offset()))
         out[k] = v.clone() if key in seen else v
         seen.setdefault(key, k)
     return out

@@ -54,7 +54,7 @@ def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
             p.requires_grad_(False)
         ref = TreePolicy(ref_model, attention=job.attention, temperature=job.temperature,
                          max_dense_tokens=job.max_dense_tokens)
-    vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
+    vocab = int(model.config.vocab_size)  # type: ignore[union-attr, arg-type]
     return Learner(policy, job.objective, vocab_size=vocab, ref_policy=ref)
 
 
@@ -93,7 +93,7 @@ class CoreTrainer:
     def __init__(self, *, store_host: str = "127.0.0.1", store_port: int = 0, advertise_host: str = "",
                  member_timeout_s: float = 300.0, collective_timeout_s: float = 600.0,
                  publish_chunk_bytes: int = 4 << 20,
-                 reporter: Callable[[str, int, str, int], None] | None = None) -> None:
+                 reporter: Callable[[TrainerJob, int, str, int], None] | None = None) -> None:
         import torch.distributed as dist
 
         self.store = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,
@@ -183,7 +183,7 @@ class CoreTrainer:
         self.membership.open_step(step, version)
         learner.begin_step(step, version)
         self._set_phase("training")
-        self._report(job.job_id, step, "started", version)
+        self._report(job, step, "started", version)
         while (d := st.source.next(step)) is not None:
             if not self._train_one(learner, d, job.job_id):
                 continue
@@ -225,7 +225,7 @@ class CoreTrainer:
         with self._cv:
             st.reports.append(report)
             self._cv.notify_all()
-        self._report(job.job_id, step, "published", new_version)
+        self._report(job, step, "published", new_version)
         if job.checkpoint_dir and (step + 1) % job.checkpoint_every == 0:
             ckpt.save_checkpoint(job.checkpoint_dir, step=step + 1, version=new_version, model=learner.model,
                                  optimizer=st.updater.optimizer, extra={"job_id": job.job_id})
@@ -273,13 +273,14 @@ class CoreTrainer:
         return PublishReport(version=version, num_bytes=nbytes, snapshot_s=0.0, engines_s=secs, engines_ok=ok,
                              engines_failed=tuple(failed))
 
-    def _report(self, job_id: str, step: int, phase: str, version: int) -> None:
+    def _report(self, job: TrainerJob, step: int, phase: str, version: int) -> None:
+        """Tell the scheduler (``reporter``, wired in main) that a step started / was published."""
         if self.reporter is None:
             return
         try:
-            self.reporter(job_id, step, phase, version)
+            self.reporter(job, step, phase, version)
         except Exception as exc:  # progress reports are advisory; training goes on
-            log.warning("step report failed", job_id=job_id, step=step, phase=phase, error=str(exc))
+            log.warning("step report failed", job_id=job.job_id, step=step, phase=phase, error=str(exc))
 
     # -- replica-facing operations (called by the servicer) ---------------------------------------
     def hand_off(self, replica_id: str, step: int, grads: dict[str, torch.Tensor]) -> None:

@@ -28,6 +28,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -151,7 +152,6 @@ class StepMembership:
             if state is None:
                 raise FailedPrecondition("no step is running yet; start a job first")
             if replica_id in state.members and not (state.members[replica_id].left or state.sealed):
-                m = state.members[replica_id]
                 return self._ticket(state.step, state.version)  # idempotent retry
             member = _Member(replica_id=replica_id, cell_id=cell_id, step=state.step, joined_at=time.monotonic())
             if state.sealed:
@@ -214,7 +214,7 @@ class StepMembership:
             self._cv.notify_all()
 
     # -- views ------------------------------------------------------------------------------------
-    def members(self) -> list[dict[str, object]]:
+    def members(self) -> list[dict[str, Any]]:
         with self._cv:
             out = []
             state = self._current
@@ -275,20 +275,22 @@ def all_reduce_step(group: object, buckets: list[list[torch.nn.Parameter]], stat
 
     pg = group
     for bucket in buckets:
-        grads = [p.grad for p in bucket]
-        assert all(g is not None for g in grads)
-        flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+        grads: list[torch.Tensor] = []
+        for p in bucket:
+            assert p.grad is not None
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         pg.allreduce([flat]).wait()  # type: ignore[attr-defined]
         offset = 0
         for g in grads:
-            n = g.numel()  # type: ignore[union-attr]
-            g.copy_(flat[offset:offset + n].view_as(g))  # type: ignore[union-attr]
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
     device = buckets[0][0].device if buckets else torch.device("cpu")
     stats = stats_vec.to(device)
     pg.allreduce([stats]).wait()  # type: ignore[attr-defined]
     ext = extrema.to(device)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
     pg.allreduce([ext], opts).wait()  # type: ignore[attr-defined]
     return stats.cpu(), ext.cpu()

@@ -11,7 +11,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common import security
@@ -31,7 +32,7 @@ def build_trainer(cfg: TrainerConfig) -> Built:
 
     core = CoreTrainer(store_host=cfg.store_host, store_port=cfg.store_port, advertise_host=cfg.advertise_host,
                        member_timeout_s=cfg.member_timeout_s, collective_timeout_s=cfg.collective_timeout_s,
-                       publish_chunk_bytes=cfg.publish_chunk_mb << 20)
+                       publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
     servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
                                chunk_bytes=cfg.publish_chunk_mb << 20)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
@@ -45,6 +46,23 @@ def build_trainer(cfg: TrainerConfig) -> Built:
         replicas.stop_all()
 
     return server, on_shutdown
+
+
+def scheduler_reporter() -> Callable[[Any, int, str, int], None]:
+    """ReportTraining(started / published) to the job's scheduler, one client per address."""
+    from services.scheduler.client import SchedulerClient
+
+    clients: dict[str, SchedulerClient] = {}
+
+    def report(job: Any, step: int, phase: str, version: int) -> None:
+        if not job.scheduler_address:
+            return
+        client = clients.get(job.scheduler_address)
+        if client is None:
+            client = clients[job.scheduler_address] = SchedulerClient(job.scheduler_address)
+        client.report_training(job.job_id, step, phase, version)
+
+    return report
 
 
 def run_replica(cfg: TrainerConfig) -> int:

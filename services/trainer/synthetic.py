@@ -181,3 +181,37 @@ def _paths(tree: _Tree, adv: float, weights: np.ndarray, execution: int) -> list
                               old_logprobs=tree.old_logprobs[c], advantages=np.full(len(c), adv, np.float32),
                               loss_weights=weights[c] / through[c], execution=execution, nodes=c))
     return out
+
+
+def pack_paths(paths: list[PathSample], *, step: int = 0, micro_batch_tokens: int = 256,
+               weight_version: int = 0) -> list[PackedBatch]:
+    """The per-path baseline packed with the same machinery: every path is its own chain-shaped tree.
+
+    Same kernels, same mask construction, same budget as the tree batches - only the shared
+    prefixes are duplicated - so timing tree vs these isolates the deduplication.
+    """
+    batches: list[PackedBatch] = []
+    group: list[PathSample] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        chains = []
+        for p in group:
+            n = len(p.input_ids)
+            chains.append(_Tree(input_ids=p.input_ids, parent=np.arange(-1, n - 1, dtype=np.int64),
+                                subtree_end=np.full(n, n, dtype=np.int64), position_ids=np.arange(n, dtype=np.int64),
+                                trainable=p.trainable, old_logprobs=p.old_logprobs))
+        batches.append(_pack(chains, [np.float32(p.advantages[0]) for p in group], [p.loss_weights for p in group],
+                             [f"path{len(batches)}-{i}" for i in range(len(group))], step, weight_version))
+        group.clear()
+
+    size = 0
+    for p in paths:
+        if group and size + len(p.input_ids) > micro_batch_tokens:
+            flush()
+            size = 0
+        group.append(p)
+        size += len(p.input_ids)
+    flush()
+    return batches

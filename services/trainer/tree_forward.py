@@ -255,7 +255,7 @@ class TreePolicy:
         else:
             mask = tree_block_mask(t.subtree_end, block_size=self.flex_block_size)
             impl = "gyre_flex"
-        if self.model.config._attn_implementation != impl:  # type: ignore[attr-defined]
+        if self.model.config._attn_implementation != impl:  # type: ignore[union-attr]
             self.model.set_attn_implementation(impl)  # type: ignore[operator]
         out = self.decoder(input_ids=t.input_ids[None], position_ids=t.position_ids[None],
                            attention_mask=mask, use_cache=False)
@@ -273,7 +273,7 @@ class TreePolicy:
         Positions past a path's length are garbage (masked by the caller). Used by tests and the
         per-path training baseline of the bench.
         """
-        if self.model.config._attn_implementation != "sdpa":  # type: ignore[attr-defined]
+        if self.model.config._attn_implementation != "sdpa":  # type: ignore[union-attr]
             self.model.set_attn_implementation("sdpa")  # type: ignore[operator]
         lmax = paths.shape[1]
         attn = (torch.arange(lmax, device=paths.device)[None, :] < lengths[:, None]).long()
