@@ -43,7 +43,7 @@ log = get_logger(__name__)
 
 def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
     """Model + tree policy + learner for ``job`` (the same on the core and on every replica)."""
-    model = build_model(job.model, dtype=job.torch_dtype, device=device, seed=job.seed,
+    model = build_model(job.model, dtype=torch.float32, device=device, seed=job.seed,
                         attention="flex" if job.attention == "flex" else "sdpa", model_cache_dir=job.model_cache_dir)
     policy = TreePolicy(model, attention=job.attention, temperature=job.temperature,
                         max_dense_tokens=job.max_dense_tokens)
@@ -55,7 +55,7 @@ def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
         ref = TreePolicy(ref_model, attention=job.attention, temperature=job.temperature,
                          max_dense_tokens=job.max_dense_tokens)
     vocab = int(model.config.vocab_size)  # type: ignore[union-attr, arg-type]
-    return Learner(policy, job.objective, vocab_size=vocab, ref_policy=ref)
+    return Learner(policy, job.objective, vocab_size=vocab, ref_policy=ref, compute_dtype=job.torch_dtype)
 
 
 def backend_for(device: torch.device) -> str:
@@ -139,8 +139,11 @@ class CoreTrainer:
                                  job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address)
             self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
                                     version=version)
-            self.weights.publish(learner.model, version)
+            snapshot = self.weights.publish(learner.model, version)
             self._stop.clear()
+        if version > 0 and job.engine_addresses:
+            # Resumed mid-job: engines may still serve older weights; give them the checkpoint's.
+            self._push(snapshot, version, job)
         if background:
             self._thread = threading.Thread(target=self._run, name=f"trainer-{job.job_id}", daemon=True)
             self._thread.start()
@@ -207,8 +210,9 @@ class CoreTrainer:
         self._set_phase("updating")
         grad_norm = st.updater.apply()
         new_version = version + 1
+        snap_t0 = time.perf_counter()
         snapshot = self.weights.publish(learner.model, new_version)
-        publish = self._push(snapshot, new_version, job)
+        publish = self._push(snapshot, new_version, job, snapshot_s=time.perf_counter() - snap_t0)
         step_s = time.perf_counter() - start
         with self._lock:
             st.step, st.version = step + 1, new_version
@@ -264,13 +268,14 @@ class CoreTrainer:
         learner.stats.load_extrema(ext)
         return time.perf_counter() - start
 
-    def _push(self, snapshot: dict[str, torch.Tensor], version: int, job: TrainerJob) -> PublishReport:
+    def _push(self, snapshot: dict[str, torch.Tensor], version: int, job: TrainerJob,
+              snapshot_s: float = 0.0) -> PublishReport:
         nbytes = state_bytes(snapshot)
         secs, ok, failed = push_to_engines(snapshot, version, job.engine_addresses,
                                            chunk_bytes=self.publish_chunk_bytes)
         if job.engine_addresses:
             m.PUBLISH_TIME.observe(secs)
-        return PublishReport(version=version, num_bytes=nbytes, snapshot_s=0.0, engines_s=secs, engines_ok=ok,
+        return PublishReport(version=version, num_bytes=nbytes, snapshot_s=snapshot_s, engines_s=secs, engines_ok=ok,
                              engines_failed=tuple(failed))
 
     def _report(self, job: TrainerJob, step: int, phase: str, version: int) -> None:

@@ -262,7 +262,10 @@ def open_group(seal: Seal, *, store_host: str, store_port: int, backend: str,
     prefixed = dist.PrefixStore(seal.group_prefix, store)  # type: ignore[arg-type]
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefixed, seal.rank, seal.world_size, timeout=timeout)  # type: ignore[call-arg]
+        # As torch.distributed builds it (distributed_c10d._new_process_group_helper).
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, seal.rank, seal.world_size, opts)
     if backend != "gloo":
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     return dist.ProcessGroupGloo(prefixed, seal.rank, seal.world_size, timeout)

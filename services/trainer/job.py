@@ -47,7 +47,8 @@ class TrainerJob:
     attention: str = "auto"
     """Tree mask backend: 'sdpa' (dense, small N), 'flex' (BlockMask) or 'auto'."""
     dtype: str = "float32"
-    """Parameter dtype: 'float32' or 'bfloat16'."""
+    """Compute dtype: 'float32', or 'bfloat16' (autocast forward; parameters, gradient sums, the
+    all-reduce and the optimizer state stay fp32, so the update is as exact as fp32 allows)."""
     device: str = "cpu"
     """torch device of the core; replicas use their own (cuda if present)."""
     seed: int = 0

@@ -94,12 +94,13 @@ class Learner:
     """Forward/backward over micro-batches with gradient-sum accumulation (no optimizer)."""
 
     def __init__(self, policy: TreePolicy, objective: ObjectiveConfig, *, vocab_size: int,
-                 ref_policy: TreePolicy | None = None) -> None:
+                 ref_policy: TreePolicy | None = None, compute_dtype: torch.dtype = torch.float32) -> None:
         self.policy = policy
         self.model = policy.model
         self.objective = objective
         self.vocab_size = vocab_size
         self.ref_policy = ref_policy
+        self.compute_dtype = compute_dtype
         self.step = -1
         self.version = 0
         self.stats = StepStats()
@@ -133,11 +134,13 @@ class Learner:
         start = time.perf_counter()
         t = TreeTensors.from_batch(batch, self.policy.device)
         self.model.train()
-        logp, ent = self.policy.target_logprobs(t)
-        ref = None
-        if self.ref_policy is not None:
-            with torch.no_grad():
-                ref, _ = self.ref_policy.target_logprobs(t)
+        device_type = self.policy.device.type
+        with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            logp, ent = self.policy.target_logprobs(t)
+            ref = None
+            if self.ref_policy is not None:
+                with torch.no_grad():
+                    ref, _ = self.ref_policy.target_logprobs(t)
         out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
                           entropy=ent, ref_logprobs=ref)
         if commit is not None and not commit():
