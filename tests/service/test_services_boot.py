@@ -8,7 +8,6 @@ costs about one torch import, not six.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from protos.gyre.v1 import rollout_pb2, scheduler_pb2, trainer_pb2, trajectory_pb2
+from protos.gyre.v1 import reward_pb2, rollout_pb2, scheduler_pb2, trainer_pb2, trajectory_pb2
 from services.launcher import REPO, ServiceSpec, default_specs
 from tests.support.redis_server import free_port
 from tests.support.service_process import (ServiceProcess, health, launcher_args, reflected_services, run_once,
@@ -25,32 +24,35 @@ from tests.support.service_process import (ServiceProcess, health, launcher_args
 
 GRACE_S = 2.0
 CONFIG = REPO / "deploy" / "config" / "local.toml"
-HAS_REWARD = importlib.util.find_spec("services.reward.main") is not None
 
 
 def _names(module: object, *services: str) -> set[str]:
     return {module.DESCRIPTOR.services_by_name[s].full_name for s in services}  # type: ignore[attr-defined]
 
 
+# gyre.v1 services each module serves (health SERVING and listed by reflection)
 EXPECTED = {
-    "trajectory": _names(trajectory_pb2, "Trajectory"),
-    "trainer": _names(trainer_pb2, "Trainer"),
-    "engine-0": _names(rollout_pb2, "Engine"),
-    "gateway": _names(rollout_pb2, "Gateway"),
-    "scheduler": _names(scheduler_pb2, "Scheduler", "Worker", "Cells"),
+    "services.trajectory.main": _names(trajectory_pb2, "Trajectory"),
+    "services.reward.main": _names(reward_pb2, "Reward"),
+    "services.trainer.main": _names(trainer_pb2, "Trainer"),
+    "services.rollout.engine_main": _names(rollout_pb2, "Engine"),
+    "services.rollout.gateway_main": _names(rollout_pb2, "Gateway"),
+    "services.scheduler.main": _names(scheduler_pb2, "Scheduler", "Worker", "Cells"),
+    "services.scheduler.agent_main": _names(scheduler_pb2, "CellAgent"),
 }
-if HAS_REWARD:
-    from protos.gyre.v1 import reward_pb2  # type: ignore[attr-defined]
-
-    EXPECTED["reward"] = {s.full_name for s in reward_pb2.DESCRIPTOR.services_by_name.values()}
-
-# Extra flags on top of the launcher's: small, fast variants that boot without building a model.
-EXTRA = {"engine-0": ["--model", "random-tiny", "--torch-threads", "1", "--max-batch-size", "4",
-                      "--max-workers", "16"]}
+# Extra flags on top of the launcher's: an engine that boots without building a model.
+EXTRA = {"services.rollout.engine_main": ["--model", "random-tiny", "--max-batch-size", "4", "--max-workers", "16"]}
+# Started once these serve (like the launcher's order): the gateway asks engines given as bare
+# host:port for their cell id; cell agents register with the scheduler.
+AFTER = {"services.rollout.gateway_main": "services.rollout.engine_main",
+         "services.scheduler.agent_main": "services.scheduler.main"}
 
 
 def specs() -> list[ServiceSpec]:
-    return [s for s in default_specs(num_engines=1) if s.name in EXPECTED]
+    """One stack of the launcher's services (one engine cell), every one a gRPC server."""
+    out = [s for s in default_specs(num_engines=1) if s.serves]
+    assert {s.module for s in out} == set(EXPECTED), "a new service main: add what it serves to EXPECTED"
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +67,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, _session_redis) -> Iterato
                                  addresses=addresses)
             procs[spec.name] = ServiceProcess.start(
                 spec.name, spec.module, work, [*args, "--grace-s", str(GRACE_S), "--metrics-port", "-1",
-                                               *EXTRA.get(spec.name, [])], port=ports[spec.name])
+                                               *EXTRA.get(spec.module, [])], port=ports[spec.name])
 
-        # The gateway asks each engine given as bare host:port for its cell id at start, so (like the
-        # launcher) it starts once the engine serves; everything else starts at once.
-        for spec in specs():
-            if spec.name != "gateway":
+        waves = [[s for s in specs() if s.module not in AFTER],
+                 [s for s in specs() if s.module == "services.rollout.gateway_main"],
+                 [s for s in specs() if s.module == "services.scheduler.agent_main"]]
+        for wave in waves:  # each wave starts at once, when what it needs serves
+            for spec in wave:
+                needs = AFTER.get(spec.module)
+                for p in procs.values():
+                    if p.module == needs:
+                        p.wait_ready(timeout_s=180)
                 start(spec)
-        procs["engine-0"].wait_ready(timeout_s=180)
-        start(next(s for s in specs() if s.name == "gateway"))
         for p in procs.values():
             p.wait_ready(timeout_s=180)
         yield procs
@@ -81,14 +86,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, _session_redis) -> Iterato
         stop_all(list(procs.values()))
 
 
-@pytest.mark.parametrize("name", [s.name for s in specs()])
+# agents first: on SIGTERM they deregister from the scheduler, which must still be up
+@pytest.mark.parametrize("name", [s.name for s in sorted(specs(), key=lambda s: s.module != "services.scheduler.agent_main")])
 def test_service_serves_reflects_and_stops_on_sigterm(cluster: dict[str, ServiceProcess], name: str) -> None:
     proc = cluster[name]
     assert health(proc.address) == health_pb2.HealthCheckResponse.SERVING
-    for service in EXPECTED[name]:
+    for service in EXPECTED[proc.module]:
         assert health(proc.address, service) == health_pb2.HealthCheckResponse.SERVING, service
     listed = reflected_services(proc.address)
-    assert EXPECTED[name] <= listed, f"reflection of {name} lists {sorted(listed)}"
+    assert EXPECTED[proc.module] <= listed, f"reflection of {name} lists {sorted(listed)}"
     assert "grpc.health.v1.Health" in listed
     # Engines drain (grace) and then stop the server (grace): allow both, plus process exit.
     code = proc.terminate(timeout_s=2 * GRACE_S + 20)
@@ -105,7 +111,7 @@ def _one_sentence(stderr: str, name: str) -> str:
 
 
 SECTIONS = {s.section: s.module for s in specs()}
-REDIS_USERS = [s for s in SECTIONS if s in ("trajectory", "scheduler", "reward")]
+REDIS_USERS = [s for s in SECTIONS if s in ("trajectory", "scheduler", "reward")]  # the others never dial Redis
 
 
 def _cases(spool: Path) -> dict[tuple[str, str], list[str]]:

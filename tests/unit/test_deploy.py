@@ -23,22 +23,38 @@ DEPLOY = REPO / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 CONFIGS = sorted((DEPLOY / "config").glob("*.toml"))
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-SECTIONS = ("trajectory", "reward", "trainer", "engine", "gateway", "scheduler")
+SECTIONS = tuple(dict.fromkeys(s.section for s in default_specs(num_engines=1) if s.serves))
+OTHER_SECTIONS = {"common", "run"}  # shared fields; `gyre run`'s job (services/run.py)
+DEPLOYMENTS = ("compose.toml", "systemd.toml")
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def launcher_specs() -> dict[str, ServiceSpec]:
-    """The launcher's specs by module (all engine cells share one module and flag set)."""
-    out: dict[str, ServiceSpec] = {}
-    for spec in default_specs(num_engines=2):
-        out.setdefault(spec.module, spec)
-    return out
-
-
 def launcher_argv(spec: ServiceSpec) -> list[str]:
     addresses = {s.name: "127.0.0.1:1" for s in default_specs(num_engines=2)}
     return service_command(spec, config=Path("cfg.toml"), redis_url="redis://r:6379/0", spool_dir=Path("spool"),
                            addresses=addresses)
+
+
+def variants() -> dict[tuple[str, tuple[str, ...]], ServiceSpec]:
+    """Each distinct (module, flag names) the launcher runs -> one spec that runs it (engine cells
+    share one variant; the core cell agent and the rollout cell agents are two)."""
+    out: dict[tuple[str, tuple[str, ...]], ServiceSpec] = {}
+    for spec in default_specs(num_engines=2):
+        if spec.serves:
+            module, flags = module_and_flags(launcher_argv(spec))
+            out.setdefault((module, tuple(flags)), spec)
+    return out
+
+
+def spec_for(argv: list[str], where: str) -> ServiceSpec:
+    """The launcher spec whose module and flag names ``argv`` runs (fails naming the difference)."""
+    module, flags = module_and_flags(argv)
+    known = variants()
+    if (module, tuple(flags)) not in known:
+        same_module = [list(f) for m, f in known if m == module]
+        raise AssertionError(f"{where} runs {module} with flags {flags}; the launcher runs it with "
+                             f"{same_module or 'no such module'}")
+    return known[module, tuple(flags)]
 
 
 def module_and_flags(argv: list[str]) -> tuple[str, list[str]]:
@@ -87,20 +103,22 @@ def env_file_vars(path: Path) -> set[str]:
 
 def config_class(section: str) -> type[ServerConfig]:
     """The config class of a TOML section: ``services.<pkg>.config.<Section>Config``."""
-    pkg = {"engine": "rollout", "gateway": "rollout"}.get(section, section)
-    try:
-        module = importlib.import_module(f"services.{pkg}.config")
-    except ModuleNotFoundError as exc:
-        if section == "reward" and exc.name == "services.reward.config":
-            pytest.skip("services/reward/config.py is not written yet")
-        raise
-    cls = getattr(module, f"{section.capitalize()}Config")
+    pkg = {"engine": "rollout", "gateway": "rollout", "cell-agent": "scheduler"}.get(section, section)
+    module = importlib.import_module(f"services.{pkg}.config")
+    cls = getattr(module, "".join(w.capitalize() for w in section.split("-")) + "Config")
     assert issubclass(cls, ServerConfig)
     return cls
 
 
-def grace_s(config: Path, section: str) -> float:
-    return float(load_config(config_class(section), path=config, section=section).grace_s)
+def load_as_launched(spec: ServiceSpec, config: Path) -> ServerConfig:
+    """The config the process would build from ``config`` plus the launcher's flags."""
+    argv = launcher_argv(spec)
+    assert argv[3] == "--config"
+    return load_config(config_class(spec.section), path=config, section=spec.section, argv=argv[5:])
+
+
+def grace_s(config: Path, spec: ServiceSpec) -> float:
+    return float(load_as_launched(spec, config).grace_s)
 
 
 def seconds(value: str) -> float:
@@ -110,10 +128,6 @@ def seconds(value: str) -> float:
         total += float(number) * {"": 1, "s": 1, "ms": 1e-3, "m": 60, "min": 60, "h": 3600}[unit]
     assert total > 0, f"cannot read a duration from {value!r}"
     return total
-
-
-def section_of(module: str) -> str:
-    return next(s.section for s in default_specs(num_engines=1) if s.module == module)
 
 
 def compose() -> dict[str, Any]:
@@ -127,42 +141,45 @@ def gyre_services() -> dict[str, dict[str, Any]]:
 def env_fields(env: dict[str, str] | list[str]) -> list[tuple[str, str]]:
     """(section, field) of every GYRE_<SECTION>_<FIELD> variable."""
     names = list(env) if isinstance(env, dict) else [e.split("=", 1)[0] for e in env]
+    sections = "|".join(sorted((s.upper() for s in SECTIONS), key=len, reverse=True))
     out = []
     for name in names:
-        m = re.match(r"^GYRE_(TRAJECTORY|REWARD|TRAINER|ENGINE|GATEWAY|SCHEDULER)_(\w+)$", name)
+        m = re.match(rf"^GYRE_({sections})_(\w+)$", name)
         if m:
             out.append((m.group(1).lower(), m.group(2).lower()))
     return out
 
 
 # -- systemd ------------------------------------------------------------------------------------
-def test_there_is_a_unit_for_every_launcher_service() -> None:
-    modules = {module_and_flags(shlex.split(parse_unit(u)["Service"]["ExecStart"][0]))[0] for u in UNITS}
-    assert modules == set(launcher_specs()), "deploy/systemd and services.launcher list different services"
-    assert (DEPLOY / "systemd" / "gyre-engine@.service").exists(), "engine cells need the templated unit"
+def unit_argv(unit: Path) -> list[str]:
+    (exec_start,) = parse_unit(unit)["Service"]["ExecStart"]
+    return shlex.split(exec_start)
+
+
+def test_there_is_a_unit_for_every_launcher_command() -> None:
+    covered = {(m, tuple(f)) for m, f in map(module_and_flags, map(unit_argv, UNITS))}
+    missing = [f"{m} {list(f)}" for m, f in variants() if (m, f) not in covered]
+    assert not missing, f"deploy/systemd has no unit running {missing}"
 
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_unit_runs_the_launcher_command(unit: Path) -> None:
-    service = parse_unit(unit)["Service"]
-    (exec_start,) = service["ExecStart"]
-    argv = shlex.split(exec_start)
-    module, flags = module_and_flags(argv)
-    spec = launcher_specs()[module]
-    assert (module, flags) == module_and_flags(launcher_argv(spec))
+    argv = unit_argv(unit)
+    spec = spec_for(argv, unit.name)
     assert flag_value(argv, "--config") == "/etc/gyre/gyre.toml"
-    if module == "services.rollout.engine_main":
+    if "--cell-id" in argv and flag_value(argv, "--cell-id") == "%i":
+        assert "@" in unit.name, "a unit that takes its cell id from the instance name is a template"
+    if spec.module == "services.rollout.engine_main":
         assert "@" in unit.name and flag_value(argv, "--cell-id") == "%i", "one templated unit per engine cell"
 
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_unit_restarts_and_outlasts_the_grace_period(unit: Path) -> None:
     service = parse_unit(unit)["Service"]
-    argv = shlex.split(service["ExecStart"][0])
     assert service["Restart"] == ["on-failure"]
     assert service.get("KillSignal", ["SIGTERM"]) == ["SIGTERM"]
     # Drain/hand-off and then server.stop(grace_s) may each take grace_s before systemd's SIGKILL.
-    grace = grace_s(DEPLOY / "config" / "systemd.toml", section_of(module_and_flags(argv)[0]))
+    grace = grace_s(DEPLOY / "config" / "systemd.toml", spec_for(unit_argv(unit), unit.name))
     assert seconds(service["TimeoutStopSec"][0]) > 2 * grace
 
 
@@ -186,29 +203,37 @@ def test_env_examples_name_real_config_fields() -> None:
 
 
 # -- docker compose -----------------------------------------------------------------------------
-def test_compose_has_every_launcher_service_and_two_engine_cells() -> None:
+def compose_argv(name: str) -> list[str]:
+    return [str(a) for a in gyre_services()[name]["command"]]
+
+
+def test_compose_runs_every_launcher_command_and_two_engine_cells() -> None:
     services = gyre_services()
-    by_module: dict[str, list[str]] = {}
-    for name, svc in services.items():
-        by_module.setdefault(module_and_flags(svc["command"])[0], []).append(name)
-    assert set(by_module) == set(launcher_specs())
-    engines = by_module["services.rollout.engine_main"]
+    specs = {name: spec_for(compose_argv(name), f"compose service {name}") for name in services}
+    covered = {(m, tuple(f)) for m, f in (module_and_flags(launcher_argv(s)) for s in specs.values())}
+    missing = [f"{m} {list(f)}" for m, f in variants() if (m, f) not in covered]
+    assert not missing, f"docker-compose.yml has no service running {missing}"
+    engines = [n for n, spec in specs.items() if spec.module == "services.rollout.engine_main"]
     assert len(engines) == 2
-    assert len({services[e]["image"] for e in engines} | {s["image"] for s in services.values()}) == 1
-    cells = [flag_value(services[e]["command"], "--cell-id") for e in engines]
+    assert len({s["image"] for s in services.values()}) == 1, "one image for every Gyre service"
+    cells = [flag_value(compose_argv(e), "--cell-id") for e in engines]
     assert len(set(cells)) == 2
-    (gateway,) = by_module["services.rollout.gateway_main"]
-    registered = flag_value(services[gateway]["command"], "--engine-addresses").split(",")
-    engine_port = load_config(config_class("engine"), path=DEPLOY / "config" / "compose.toml", section="engine").port
+    (gateway,) = [n for n, spec in specs.items() if spec.module == "services.rollout.gateway_main"]
+    registered = flag_value(compose_argv(gateway), "--engine-addresses").split(",")
+    engine_port = load_as_launched(specs[engines[0]], DEPLOY / "config" / "compose.toml").port
     assert sorted(registered) == sorted(f"{c}={e}:{engine_port}" for c, e in zip(cells, engines))
+    # every engine cell has its cell agent pointing at it
+    agents = {flag_value(compose_argv(n), "--cell-id"): compose_argv(n) for n, spec in specs.items()
+              if spec.module == "services.scheduler.agent_main"}
+    for cell, engine in zip(cells, engines):
+        assert flag_value(agents[cell], "--engine-address") == f"{engine}:{engine_port}"
 
 
 @pytest.mark.parametrize("name", sorted(gyre_services()))
 def test_compose_service_runs_the_launcher_command(name: str) -> None:
     svc = gyre_services()[name]
-    argv = [str(a) for a in svc["command"]]
-    module, flags = module_and_flags(argv)
-    assert (module, flags) == module_and_flags(launcher_argv(launcher_specs()[module]))
+    argv = compose_argv(name)
+    spec_for(argv, f"compose service {name}")
     config_in_container = flag_value(argv, "--config")
     mounts = [v.split(":") for v in svc["volumes"]]
     assert ["./config/compose.toml", config_in_container, "ro"] in mounts, "the config file must be mounted"
@@ -217,14 +242,15 @@ def test_compose_service_runs_the_launcher_command(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(gyre_services()))
 def test_compose_healthcheck_probes_the_services_own_port(name: str) -> None:
     svc = gyre_services()[name]
-    section = section_of(module_and_flags(svc["command"])[0])
+    spec = spec_for(compose_argv(name), name)
     compose_toml = DEPLOY / "config" / "compose.toml"
-    port = load_config(config_class(section), path=compose_toml, section=section).port
-    assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck", f"127.0.0.1:{port}"]
-    assert seconds(svc["stop_grace_period"]) > 2 * grace_s(compose_toml, section)
+    cfg = load_as_launched(spec, compose_toml)
+    assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
+                                          f"127.0.0.1:{cfg.port}"]
+    assert seconds(svc["stop_grace_period"]) > 2 * cfg.grace_s
     assert svc["restart"] in ("on-failure", "unless-stopped", "always")
-    for section_, field in env_fields(svc.get("environment", {})):
-        assert field in {f.name for f in dataclasses.fields(config_class(section_))}
+    for section, field in env_fields(svc.get("environment", {})):
+        assert field in {f.name for f in dataclasses.fields(config_class(section))}
 
 
 def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
@@ -243,18 +269,18 @@ def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_sections_are_known(path: Path) -> None:
     data = tomllib.loads(path.read_text())
-    assert set(data) <= {"common", *SECTIONS}, f"{path.name}: unknown sections {set(data) - {'common', *SECTIONS}}"
+    unknown = set(data) - {*OTHER_SECTIONS, *SECTIONS}
+    assert not unknown, f"{path.name}: unknown sections {sorted(unknown)}"
 
 
-@pytest.mark.parametrize("section", SECTIONS)
+@pytest.mark.parametrize("spec", list(variants().values()), ids=lambda s: s.name)
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_config_parses_into_the_services_config(path: Path, section: str) -> None:
-    cls = config_class(section)
-    cfg = load_config(cls, path=path, section=section)
-    assert isinstance(cfg, cls)
-    if path.name != "local.toml":  # deployments bind every interface; fixed ports except per-cell engines
+def test_shipped_config_parses_into_the_services_config(path: Path, spec: ServiceSpec) -> None:
+    cfg = load_as_launched(spec, path)
+    assert isinstance(cfg, config_class(spec.section))
+    if path.name in DEPLOYMENTS:  # deployments bind every interface, on fixed ports but per-cell ones
         assert cfg.host == "0.0.0.0"
-        assert cfg.port > 0 or section == "engine"
+        assert cfg.port > 0 or spec.section in ("engine", "cell-agent") and path.name == "systemd.toml"
 
 
 def test_a_typo_in_a_shipped_config_would_be_caught(tmp_path: Path) -> None:
