@@ -34,7 +34,8 @@ from services.trainer.elastic import Seal, StepMembership, all_reduce_step, open
 from services.trainer.job import TrainerJob
 from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
 from services.trainer.model import build_model
-from services.trainer.sources import BatchSource, open_source
+from services.trainer.journal import StepJournal, journal_for
+from services.trainer.sources import BatchSource, open_source, train_delivery
 from services.trainer.tree_forward import TreePolicy
 from services.trainer.weights import PublishReport, WeightStore, push_to_engines, state_bytes
 
@@ -83,6 +84,7 @@ class _JobState:
     version: int
     reports: list[StepReport] = field(default_factory=list)
     handoffs: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    journal: StepJournal | None = None
     phase: str = "starting"
     error: str = ""
 
@@ -137,8 +139,11 @@ class CoreTrainer:
             # a consumer blocked in store.wait must not block the step's process-group setup.
             source = open_source(job.source, store_host=self.store_host, store_port=self.store_port,
                                  job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address)
+            journal = journal_for(job.checkpoint_dir, job.job_id)
+            if journal is not None and not job.resume:
+                journal.clear()
             self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
-                                    version=version)
+                                    version=version, journal=journal)
             snapshot = self.weights.publish(learner.model, version)
             self._stop.clear()
         if version > 0 and job.engine_addresses:
@@ -183,13 +188,18 @@ class CoreTrainer:
         assert self.membership is not None
         job, learner, step, version = st.job, st.learner, st.step, st.version
         start = time.perf_counter()
+        # Batches taken before a restart: committed in the journal before anyone can pull this step.
+        replay = st.journal.replay(step) if st.journal is not None else []
         self.membership.open_step(step, version)
         learner.begin_step(step, version)
         self._set_phase("training")
         self._report(job, step, "started", version)
+        for batch_id, batch in replay:
+            learner.train(batch)
+            log.info("replayed journaled micro-batch", job_id=job.job_id, step=step, batch_id=batch_id)
+        slog = log.bind(job_id=job.job_id)
         while (d := st.source.next(step)) is not None:
-            if not self._train_one(learner, d, job.job_id):
-                continue
+            train_delivery(learner, d, step=step, journal=st.journal, log=slog)
         train_s = time.perf_counter() - start
 
         seal = self.membership.core_done(step)
@@ -234,26 +244,12 @@ class CoreTrainer:
             ckpt.save_checkpoint(job.checkpoint_dir, step=step + 1, version=new_version, model=learner.model,
                                  optimizer=st.updater.optimizer, extra={"job_id": job.job_id})
             ckpt.prune_checkpoints(job.checkpoint_dir, job.checkpoint_keep)
+            if st.journal is not None:
+                st.journal.forget_before(step + 1)  # those updates are durable now
         log.info("step done", job_id=job.job_id, step=step, version=new_version, world=seal.world_size,
                  loss=round(metrics.get("loss", 0.0), 6), grad_norm=round(grad_norm, 6),
                  tokens=metrics.get("tokens"), step_s=round(step_s, 3))
         return report
-
-    def _train_one(self, learner: Learner, d: Any, job_id: str) -> bool:
-        try:
-            if not learner.train(d.batch, commit=d.ack):
-                log.warning("micro-batch re-handed before its ack; result discarded", job_id=job_id,
-                            batch_id=d.batch_id)
-                return False
-        except (InvalidArgument, FailedPrecondition) as exc:
-            # A malformed micro-batch is refused (never trained); the step continues without it.
-            m.REJECTED.labels(reason=type(exc).__name__).inc()
-            log.error("micro-batch rejected", job_id=job_id, batch_id=d.batch_id, error=str(exc))
-            d.reject(str(exc))
-            return False
-        m.MICRO_BATCHES.inc()
-        m.TOKENS.inc(len(d.batch.input_ids))
-        return True
 
     def _reduce(self, seal: Seal, learner: Learner) -> float:
         if seal.world_size <= 1:

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
-from services.trainer import metrics as m
 from services.trainer.client import TrainerClient
 from services.trainer.core import backend_for, build_learner
 from services.trainer.elastic import all_reduce_step, open_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import Learner
-from services.trainer.sources import BatchSource, open_source
+from services.trainer.journal import journal_for
+from services.trainer.sources import BatchSource, open_source, train_delivery
 from services.trainer.weights import load_state
 
 
@@ -86,23 +85,13 @@ class Replica:
                 log.info("replica ready", join_latency_s=round(self.stats.join_latency_s, 3),
                          weight_version=held_version)
             learner.begin_step(ticket.step, ticket.weight_version)
+            journal = journal_for(job.checkpoint_dir, job.job_id)
             trained = 0
             while not self.stop_event.is_set():
                 d = source.next(ticket.step)
                 if d is None:
                     break
-                try:
-                    if not learner.train(d.batch, commit=d.ack):
-                        log.warning("micro-batch re-handed before its ack; result discarded", batch_id=d.batch_id)
-                        continue
-                except (InvalidArgument, FailedPrecondition) as exc:
-                    m.REJECTED.labels(reason=type(exc).__name__).inc()
-                    log.error("micro-batch rejected", batch_id=d.batch_id, error=str(exc))
-                    d.reject(str(exc))
-                    continue
-                trained += 1
-                m.MICRO_BATCHES.inc()
-                m.TOKENS.inc(len(d.batch.input_ids))
+                trained += train_delivery(learner, d, step=ticket.step, journal=journal, log=log)
             self.stats.micro_batches += trained
             assert self.stats.per_step_batches is not None
             self.stats.per_step_batches[ticket.step] = trained

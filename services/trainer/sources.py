@@ -187,3 +187,32 @@ def open_source(spec: str, *, store_host: str, store_port: int, job_id: str, con
 
         return TrajectorySource(trajectory_address, job_id=job_id, consumer_id=consumer_id)
     raise ValueError(f"unknown batch source {spec!r}; use 'trajectory' or 'synthetic:k=v,...'")
+
+
+def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: Any) -> bool:
+    """Train one handed-out micro-batch on ``learner`` (core and replicas alike); True if trained.
+
+    Skips (acks) a batch the step journal says was already trained (replayed after a restart);
+    journals it before the ack (``journal.journaled_ack``); refuses a malformed one.
+    """
+    from services.common.errors import FailedPrecondition, InvalidArgument
+    from services.trainer import metrics as m
+    from services.trainer.journal import journaled_ack
+
+    if journal is not None and journal.committed(step, d.batch_id):
+        d.ack()
+        log.info("micro-batch already trained (journal replay); skipped", batch_id=d.batch_id, step=step)
+        return False
+    try:
+        if not learner.train(d.batch, commit=journaled_ack(journal, step, d.batch_id, d.batch, d.ack)):
+            log.warning("micro-batch re-handed before its ack; result discarded", batch_id=d.batch_id, step=step)
+            return False
+    except (InvalidArgument, FailedPrecondition) as exc:
+        # A malformed micro-batch is refused (never trained); the step continues without it.
+        m.REJECTED.labels(reason=type(exc).__name__).inc()
+        log.error("micro-batch rejected", batch_id=d.batch_id, step=step, error=str(exc))
+        d.reject(str(exc))
+        return False
+    m.MICRO_BATCHES.inc()
+    m.TOKENS.inc(len(d.batch.input_ids))
+    return True
