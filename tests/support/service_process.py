@@ -194,3 +194,16 @@ def launcher_args(spec: "ServiceSpec", *, config: Path, redis_url: str, spool_di
     cmd = service_command(spec, config=config, redis_url=redis_url, spool_dir=spool_dir, addresses=addresses)
     assert cmd[1:3] == ["-m", spec.module]
     return cmd[3:]
+
+
+def spawn(module: str, args: Sequence[str], log_file: Path) -> subprocess.Popen[bytes]:
+    """A plain worker process (no port, no health), logging to ``log_file``; kill with ``kill_group``."""
+    with open(log_file, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=child_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
