@@ -1,0 +1,118 @@
+"""The built-in harness end to end over real services: a real scheduler (job with the xlong-v1
+task source), a real rollout gateway + TorchEngine serving a quickly warm-started built-in model,
+a real reward service and a real trajectory service. The gateway's TITO records must show the
+branching the harness exists for: compaction (summary calls and fresh contexts), sub-agents
+(own contexts) and retries (a prompt repeated exactly: same prefix, new branch)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.reward.client import RewardClient
+from services.reward.config import RewardConfig
+from services.reward.main import build_reward
+from services.scheduler.jobs import ExecState, Mode, TaskSource
+from services.scheduler.orchestrator import Orchestrator
+from services.task.harness import Harness, HarnessConfig, common_prefix_len
+from services.task.model import BuiltinModelSpec, ensure_builtin_model
+from services.task.tokenizer import Codec
+from services.trajectory.records import Role
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.main import build_trajectory
+from tests.service.scheduler_support import in_process_scheduler, job_spec, wait_until
+from tests.support.rollout_cluster import start_engine, start_gateway
+
+torch.set_num_threads(1)
+
+
+class _NoActuator:
+    def switch(self, *args: object, **kw: object) -> None:
+        raise AssertionError("no switch expected: no cells are registered")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A short warm start: good enough to follow the format, bad enough to fail and retry often.
+    return ensure_builtin_model(tmp_path_factory.mktemp("models"),
+                                spec=BuiltinModelSpec(demo_tasks=40, sft_steps=20, batch_size=16))
+
+
+@pytest.fixture
+def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
+    tcfg = TrajectoryConfig(redis_url=redis_url, spool_dir=str(tmp_path / "tspool"), port=0, log_json=False)
+    traj, _ = build_trajectory(tcfg)
+    traj.start()
+    traj.set_serving(True)
+    rcfg = RewardConfig(redis_url=redis_url, spool_dir=str(tmp_path / "rspool"), port=0, scorer_workers=1,
+                        trajectory_address=traj.address, log_json=False)
+    reward, reward_shutdown = build_reward(rcfg)
+    reward.start()
+    reward.set_serving(True)
+    engine = start_engine("cell-h", checkpoint=model_dir)
+    gw = start_gateway()
+    gw.client().register_engine(engine.cell_id, engine.address)
+    with in_process_scheduler(redis_url) as sched:
+        yield {"scheduler": sched, "gateway": gw, "reward": reward.address, "trajectory": traj.address}
+    gw.stop()
+    engine.stop()
+    reward_shutdown()
+    reward.stop(0)
+    traj.stop(0)
+
+
+def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: dict, model_dir: Path) -> None:
+    sched, gw = stack["scheduler"], stack["gateway"]
+    spec = job_spec("hj", model=str(model_dir), num_steps=1, groups_per_step=2, group_size=2, mode=Mode.COLOCATE,
+                    tasks=TaskSource(generator="xlong-v1", params=(("num_modules", "4"), ("min_ops", "2"))))
+    sched.client.submit_job(spec)
+    # The orchestrator enqueues the step's executions (no cells are registered: no switches).
+    assert Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    cfg = HarnessConfig(scheduler=sched.server.address, gateway=gw.address, reward=stack["reward"], concurrency=2,
+                        job_id="hj", lease_wait_s=0.5, max_executions=4, context_limit_tokens=96,
+                        delegate_every=2, fix_turns=1, retries=1, temperature=1.0, log_json=False)
+    from services.rollout.client import GatewayClient
+    from services.scheduler.client import SchedulerClient
+
+    harness = Harness(cfg, scheduler=SchedulerClient(cfg.scheduler), gateway=GatewayClient(cfg.gateway),
+                      reward=RewardClient(cfg.reward), codec=Codec.from_dir(model_dir)).start()
+    wait_until(lambda: harness.done >= 4, timeout_s=180, what="4 executions")
+    harness.stop()
+    harness.join(30)
+
+    by_exec: dict[str, list] = defaultdict(list)
+    for rec in gw.records:
+        by_exec[rec.execution_id].append(rec)
+    assert len(by_exec) == 4
+    reward = RewardClient(stack["reward"])
+    summaries = subagent_calls = repeats = 0
+    for eid, recs in by_exec.items():
+        roles = [r.role for r in recs]
+        summaries += roles.count(Role.SUMMARY)
+        subagent_calls += roles.count(Role.SUBAGENT)
+        keys = [r.prompt_ids.tobytes() for r in recs]
+        repeats += len(keys) - len(set(keys))
+        for r in recs:
+            assert len(r.output_ids) == len(r.output_logprobs) and r.weight_version == 0
+        # The scheduler saw the end, the reward service scored the preserved workspace.
+        assert sched.client.get_execution(eid).state in (ExecState.FINISHED, ExecState.TIMEOUT)
+        score = reward.get_score(eid)
+        assert score.state == "ok" and score.tests_total == 16 and score.outcome_reported
+        assert score.reward is not None and 0.0 <= score.reward <= 1.0
+    assert summaries >= 4, "context limit 96 forces at least one compaction per execution"
+    assert subagent_calls > 0
+    assert repeats > 0, "a failed module is retried from its earlier context (an identical prompt)"
+    # After a compaction the next context starts with the summary's own output ids (no re-tokenizing).
+    recs = next(iter(by_exec.values()))
+    i = next(k for k, r in enumerate(recs) if r.role == Role.SUMMARY)
+    out = recs[i].output_ids
+    out = out[:-1] if len(out) and out[-1] == Codec.from_dir(model_dir).eos_id else out
+    later = [r for r in recs[i + 1:] if not np.array_equal(r.prompt_ids[:len(recs[i].prompt_ids)], recs[i].prompt_ids)]
+    assert any(out.tobytes() in r.prompt_ids.tobytes() for r in later)
+    # Calls of one agent share their context prefix (delta-encoded on the wire, whole here).
+    assert common_prefix_len(recs[0].prompt_ids, recs[1].prompt_ids) > 0
