@@ -40,6 +40,8 @@ class ServiceSpec:
     section: str
     deps: Callable[[Mapping[str, str]], list[str]] = lambda _a: []
     extra: tuple[str, ...] = ()
+    serves: bool = True
+    """False for worker processes (the harness) that serve no gRPC and take no service flags."""
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Running:
 def service_command(spec: ServiceSpec, *, config: Path, redis_url: str, spool_dir: Path,
                     addresses: Mapping[str, str], port_file: Path | None = None) -> list[str]:
     """The exact command line of a service; deploy/ units and compose use the same shape."""
+    if not spec.serves:
+        return [sys.executable, "-m", spec.module, "--config", str(config), *spec.deps(addresses), *spec.extra]
     cmd = [sys.executable, "-m", spec.module, "--config", str(config),
            "--redis-url", redis_url, "--spool-dir", str(spool_dir), *spec.deps(addresses), *spec.extra]
     if port_file is not None:
@@ -62,7 +66,17 @@ def service_command(spec: ServiceSpec, *, config: Path, redis_url: str, spool_di
     return cmd
 
 
-def default_specs(num_engines: int = 2) -> list[ServiceSpec]:
+def default_specs(num_engines: int = 2, *, model: str = "builtin-tiny", job_id: str = "",
+                  torch_threads: int = 1) -> list[ServiceSpec]:
+    """Every service of one Gyre stack: the processes `gyre up` and `gyre run` start.
+
+    Cells: ``cell-0`` is the trainer core (never leaves TRAIN); ``cell-1..N`` host rollout
+    engines. A cell agent per cell registers it with the scheduler and heartbeats; the scheduler
+    switches roles through the gateway (drain + migrate) and the trainer (add/release replica).
+    """
+    threads = ("--torch-threads", str(torch_threads))
+    engines = [f"engine-{i + 1}" for i in range(num_engines)]
+    job = ("--job-id", job_id) if job_id else ()
     specs = [
         ServiceSpec("trajectory", "services.trajectory.main", "trajectory"),
         ServiceSpec("reward", "services.reward.main", "reward",
@@ -70,17 +84,34 @@ def default_specs(num_engines: int = 2) -> list[ServiceSpec]:
         ServiceSpec("trainer", "services.trainer.main", "trainer",
                     deps=lambda a: ["--trajectory-address", a["trajectory"]]),
     ]
-    for i in range(num_engines):
-        specs.append(ServiceSpec(f"engine-{i}", "services.rollout.engine_main", "engine",
-                                 extra=("--cell-id", f"cell-{i + 1}")))
+    for i, name in enumerate(engines):
+        specs.append(ServiceSpec(name, "services.rollout.engine_main", "engine",
+                                 extra=("--cell-id", f"cell-{i + 1}", "--model", model, *threads)))
     specs += [
         ServiceSpec("gateway", "services.rollout.gateway_main", "gateway",
                     deps=lambda a: ["--trajectory-address", a["trajectory"], "--engine-addresses",
-                                    ",".join(v for k, v in sorted(a.items()) if k.startswith("engine-"))]),
+                                    ",".join(a[e] for e in engines), "--tokenizer-path", model, *job]),
         ServiceSpec("scheduler", "services.scheduler.main", "scheduler",
-                    deps=lambda a: ["--gateway-address", a["gateway"], "--trainer-address", a["trainer"]]),
+                    deps=lambda a: ["--gateway-address", a["gateway"], "--trainer-address", a["trainer"],
+                                    "--actuator", "services"]),
+        ServiceSpec("cell-0", "services.scheduler.agent_main", "cell-agent",
+                    deps=lambda a: ["--scheduler-address", a["scheduler"], "--cell-id", "cell-0",
+                                    "--role", "train", "--is-core"]),
     ]
+    for i, name in enumerate(engines):
+        specs.append(ServiceSpec(
+            f"cell-{i + 1}", "services.scheduler.agent_main", "cell-agent",
+            deps=lambda a, name=name, i=i: ["--scheduler-address", a["scheduler"], "--cell-id", f"cell-{i + 1}",
+                                            "--role", "rollout", "--engine-address", a[name]]))
     return specs
+
+
+def harness_spec(*, job_id: str, model: str, concurrency: int) -> ServiceSpec:
+    """The built-in harness worker (leases executions of ``job_id``; serves no gRPC)."""
+    return ServiceSpec("harness", "services.task.harness", "harness", serves=False,
+                       deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
+                                       "--reward", a["reward"], "--job-id", job_id, "--model-dir", model,
+                                       "--concurrency", str(concurrency)])
 
 
 class Launcher:
@@ -93,13 +124,14 @@ class Launcher:
         self.state_file = self.run_dir / "state.json"
 
     # -- up -----------------------------------------------------------------------------------
-    def up(self, specs: Sequence[ServiceSpec], *, redis_url: str | None = None, timeout_s: float = 120.0,
-           echo: Callable[[str], None] = print) -> dict[str, Running]:
+    def up(self, specs: Sequence[ServiceSpec], *, redis_url: str | None = None, timeout_s: float = 300.0,
+           echo: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> dict[str, Running]:
         if self.state_file.exists() and self._alive(self._load()):
             raise ValueError(f"Gyre is already up (state in {self.state_file}); run `gyre down` first")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         state: dict = {"redis": None, "services": {}}
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         if redis_url is None:
             redis_url, pid = self._start_redis()
             state["redis"] = {"url": redis_url, "pid": pid}
@@ -131,7 +163,13 @@ class Launcher:
                               addresses=addresses, port_file=port_file)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                                    env={**os.environ, "PYTHONPATH": str(REPO)})
+                                    env=getattr(self, "env", None) or {**os.environ, "PYTHONPATH": str(REPO)})
+        if not spec.serves:
+            time.sleep(0.5)
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise ValueError(f"{spec.name} exited with code {proc.returncode} at start: " + " | ".join(tail))
+            return Running(spec.name, proc.pid, "", None, str(log_path), cmd)
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if proc.poll() is not None:
@@ -145,6 +183,18 @@ class Launcher:
         address = f"127.0.0.1:{info['port']}"
         wait_for_ready(address, timeout_s=max(1.0, deadline - time.monotonic()))
         return Running(spec.name, proc.pid, address, info.get("metrics_port"), str(log_path), cmd)
+
+    def start_workers(self, specs: Sequence[ServiceSpec], addresses: Mapping[str, str], *,
+                      env: Mapping[str, str] | None = None, echo: Callable[[str], None] = print) -> None:
+        """Start worker processes (no gRPC) after the services are up; recorded for ``down``."""
+        state = self._load()
+        if env:
+            self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+        for spec in specs:
+            running = self._start_service(spec, state["redis"]["url"], addresses, 30.0)
+            state["services"][spec.name] = asdict(running)
+            self._save(state)
+            echo(f"{spec.name:<11} worker (pid {running.pid}, log {running.log})")
 
     def _start_redis(self) -> tuple[str, int]:
         binary = shutil.which("redis-server")
@@ -183,8 +233,8 @@ class Launcher:
         out = {"up": True, "redis": state.get("redis"), "services": {}}
         for name, svc in state["services"].items():
             alive = _pid_alive(svc["pid"])
-            healthy = False
-            if alive:
+            healthy = alive and not svc["address"]  # workers serve no gRPC: alive is all there is
+            if alive and svc["address"]:
                 try:
                     wait_for_ready(svc["address"], timeout_s=1.0)
                     healthy = True

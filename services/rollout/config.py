@@ -82,6 +82,8 @@ class GatewayConfig(ServerConfig):
     call_cache_tokens: int = setting(16_000_000, "Tokens of recent calls kept for prompt deltas.")
     prompt_cache_tokens: int = setting(8_000_000, "Tokens of recent HTTP conversations kept for exact-id reuse.")
     tito_queue: int = setting(10_000, "TITO records buffered for the trajectory service before dropping.")
+    tito_sync_timeout_s: float = setting(10.0, "A call's response waits this long for its TITO record to reach "
+                                         "trajectory (so outcomes never overtake records); 0 = fully async.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,5 +99,6 @@ class GatewayConfig(ServerConfig):
         check(self.call_cache_tokens >= 1, "call_cache_tokens", self.call_cache_tokens, "at least 1")
         check(self.prompt_cache_tokens >= 1, "prompt_cache_tokens", self.prompt_cache_tokens, "at least 1")
         check(self.tito_queue >= 1, "tito_queue", self.tito_queue, "at least 1")
+        check(self.tito_sync_timeout_s >= 0, "tito_sync_timeout_s", self.tito_sync_timeout_s, ">= 0")
         check(not (self.http_port >= 0 and not self.tokenizer_path), "tokenizer_path", self.tokenizer_path,
               "a tokenizer directory (or 'builtin-tiny') when http_port is enabled")

@@ -135,6 +135,7 @@ class Gateway:
         self.router = router or Router()
         self.calls = call_cache or CallCache()
         self.on_record = on_record
+        self._known_addresses: dict[str, str] = {}
         self.attach_wait_s = attach_wait_s
         self.max_recoveries = max_recoveries
         self.probe_interval_s = probe_interval_s
@@ -172,7 +173,14 @@ class Gateway:
 
     # -- engines ----------------------------------------------------------------------------
     def register_engine(self, cell_id: str, address: str) -> EngineEntry:
+        """Make ``cell_id`` routable at ``address``; an empty address re-enables the engine this
+        gateway last knew for the cell (how a cell returns to ROLLOUT after a drain)."""
+        if not address:
+            address = self._known_addresses.get(cell_id, "")
+            if not address:
+                raise NotFound(f"no engine address is known for cell {cell_id!r}; register it with an address")
         entry = self.router.register(cell_id, address)
+        self._known_addresses[cell_id] = address
         try:
             self.conn(address).drain(0.0, cancel=True)  # registered = serving: undo an earlier drain
         except Exception as exc:  # deliberate: it may still be starting; probes follow it

@@ -104,6 +104,14 @@ def _load_tokenizer(cfg: GatewayConfig) -> Any:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def _record_hook(forwarder: Any, sync_timeout_s: float) -> Any:
+    if forwarder is None:
+        return None
+    if sync_timeout_s <= 0:
+        return forwarder.submit
+    return lambda call: forwarder.submit_and_wait(call, sync_timeout_s)
+
+
 def build_gateway(cfg: GatewayConfig) -> Built:
     from services.rollout.call_cache import CallCache
     from services.rollout.client import EngineClient
@@ -118,7 +126,7 @@ def build_gateway(cfg: GatewayConfig) -> Built:
         forwarder = TitoForwarder(_tito_sink(cfg), max_queue=cfg.tito_queue).start()
     gateway = Gateway(connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),
                       router=Router(sticky_slack=cfg.sticky_slack), call_cache=CallCache(max_tokens=cfg.call_cache_tokens),
-                      on_record=forwarder.submit if forwarder else None, attach_wait_s=cfg.attach_wait_s,
+                      on_record=_record_hook(forwarder, cfg.tito_sync_timeout_s), attach_wait_s=cfg.attach_wait_s,
                       max_recoveries=cfg.max_recoveries, probe_interval_s=cfg.probe_interval_s).start()
     for spec in cfg.engine_addresses:
         cell_id, _, address = spec.rpartition("=")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.trajectory.records import TitoCall
@@ -36,6 +37,8 @@ TITO_QUEUE = Gauge("gyre_rollout_tito_queue", "TITO records waiting to be forwar
 
 
 Sink = Callable[[list[TitoCall]], None]
+# Rejections that no retry can fix.
+PERMANENT = (InvalidArgument, AlreadyExists, FailedPrecondition)
 
 
 class TitoForwarder:
@@ -56,6 +59,7 @@ class TitoForwarder:
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._busy = 0
+        self._waiters: dict[int, threading.Event] = {}
         self._thread = threading.Thread(target=self._run, name="tito-forwarder", daemon=True)
 
     def start(self) -> "TitoForwarder":
@@ -78,6 +82,29 @@ class TitoForwarder:
             self._busy += 1
         TITO_QUEUE.set(self._queue.qsize())
         return True
+
+    def submit_and_wait(self, call: TitoCall, timeout_s: float) -> bool:
+        """Queue a record and wait (at most ``timeout_s``) until it is delivered.
+
+        Used so a call's response leaves the gateway only once its record is durable at the
+        trajectory service: the harness then reports the outcome, and an outcome can never
+        overtake its execution's last records. On timeout the record stays queued (delivered
+        later, with retries); False says it was not confirmed in time.
+        """
+        done = threading.Event()
+        with self._idle:
+            self._waiters[id(call)] = done
+        if not self.submit(call):
+            with self._idle:
+                self._waiters.pop(id(call), None)
+            return False
+        if done.wait(timeout_s):
+            return True
+        with self._idle:
+            self._waiters.pop(id(call), None)
+        log.warning("tito record not confirmed in time; still queued", execution_id=call.execution_id,
+                    call_id=call.call_id, timeout_s=timeout_s)
+        return False
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted record was delivered (or dropped); False on timeout."""
@@ -110,14 +137,30 @@ class TitoForwarder:
                 TITO_DROPPED.inc(len(batch))
             with self._idle:
                 self._busy -= len(batch)
+                for call in batch:
+                    waiter = self._waiters.pop(id(call), None)
+                    if waiter is not None:
+                        waiter.set()
                 self._idle.notify_all()
 
     def _deliver(self, batch: list[TitoCall]) -> bool:
-        """Retry until delivered; gives up only when the forwarder is stopping."""
+        """Retry until delivered; gives up only when the forwarder is stopping.
+
+        A record the trajectory service rejects for good (invalid, a duplicate with other content,
+        arrived after its execution was packed) is never retried: it would block every record
+        behind it. The batch is split so only the rejected records are dropped (logged, counted).
+        """
         attempt = 0
         while True:
             try:
                 self._sink(batch)
+                return True
+            except PERMANENT as exc:
+                if len(batch) > 1:
+                    return all([self._deliver([call]) for call in batch])
+                TITO_DROPPED.inc()
+                log.error("tito record rejected by trajectory; dropped", execution_id=batch[0].execution_id,
+                          call_id=batch[0].call_id, error=f"{type(exc).__name__}: {exc}")
                 return True
             except Exception as exc:  # deliberate: the trajectory service may be restarting
                 attempt += 1

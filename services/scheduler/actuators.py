@@ -65,7 +65,9 @@ class ServicesActuator:
             self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0))
         elif to_role is Role.ROLLOUT:
             try:
-                self.gateway.register_engine(cell.cell_id, cell.address)
+                # "": the engine the gateway knew for this cell before the drain (the cell's
+                # registered address is its agent's, not its engine's)
+                self.gateway.register_engine(cell.cell_id, "")
             except AlreadyExists:
                 pass
 
