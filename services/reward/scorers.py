@@ -2,8 +2,10 @@
 
 Three kinds, named by a `ScorerSpec`:
 
-* ``builtin`` - target ``xlong-v1`` (default): the built-in task's test runner (services.task.scoring);
-  it rebuilds the tests from the task id, so a workspace cannot change what it is graded against.
+* ``builtin`` - target ``xlong-v1`` (default): the built-in task's test runner (services.task.scoring):
+  fraction of tests passing, each module discounted by the attempts the harness recorded;
+  ``xlong-v1-tests``: the plain fraction of tests passing. Both rebuild the tests from the task
+  id, so a workspace cannot change what it is graded against.
 * ``entry_point`` - target ``package.module:function``; the function is called as
   ``fn(files: dict[str, bytes], task_id: str, status: str)`` and returns a number, a dict with
   ``score`` (and optional ``tests_passed``, ``tests_total``, ``modules``, ``metrics``, ``detail``)
@@ -27,7 +29,7 @@ from typing import Any, Literal
 __all__ = ["ScorerSpec", "ScoreInput", "ModuleResult", "ScorerOutput", "ScorerError", "run_local", "parse_output"]
 
 ScorerKind = Literal["builtin", "entry_point", "external"]
-BUILTIN_SCORERS = ("xlong-v1",)
+BUILTIN_SCORERS = ("xlong-v1", "xlong-v1-tests")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
 _ADDR_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
 MAX_MODULES = 4096
@@ -142,22 +144,40 @@ def parse_output(value: Any) -> ScorerOutput:
     )
 
 
-def _builtin_xlong(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
+def _builtin_xlong(files: Mapping[str, bytes], task_id: str, status: str, *, discount: float) -> ScorerOutput:
     from services.task.scoring import score_workspace
     from services.task.spec import task_from_id
 
     task = task_from_id(task_id)
-    result = score_workspace(task, files)
+    result = score_workspace(task, files, discount=discount)
     return ScorerOutput(
         score=result.reward,
         tests_passed=result.passed,
         tests_total=result.total,
         modules=tuple(ModuleResult(m.name, m.passed, m.total, m.error) for m in result.modules),
-        metrics={"all_passed": float(result.all_passed), "modules_passed": float(sum(m.ok for m in result.modules))},
+        metrics={
+            "all_passed": float(result.all_passed),
+            "tests_fraction": result.tests_fraction,
+            "modules_passed": float(sum(m.ok for m in result.modules)),
+            "attempts": float(sum(m.attempts for m in result.modules)),
+        },
     )
 
 
-_BUILTINS: dict[str, Callable[[Mapping[str, bytes], str, str], ScorerOutput]] = {"xlong-v1": _builtin_xlong}
+def _xlong_discounted(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
+    from services.task.scoring import ATTEMPT_DISCOUNT
+
+    return _builtin_xlong(files, task_id, status, discount=ATTEMPT_DISCOUNT)
+
+
+def _xlong_tests(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
+    return _builtin_xlong(files, task_id, status, discount=1.0)
+
+
+_BUILTINS: dict[str, Callable[[Mapping[str, bytes], str, str], ScorerOutput]] = {
+    "xlong-v1": _xlong_discounted,
+    "xlong-v1-tests": _xlong_tests,
+}
 
 
 def run_local(spec: ScorerSpec, inp: ScoreInput) -> ScorerOutput:

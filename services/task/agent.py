@@ -21,6 +21,7 @@ role `summary`. A harness never sees cells or migrations; all it needs is `Model
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections import Counter
@@ -32,6 +33,7 @@ import numpy as np
 
 from services.task import prompts
 from services.task.dsl import DslError, run_program
+from services.task.scoring import ATTEMPTS_PATH
 from services.task.spec import ModuleSpec, TaskSpec
 from services.task.tokenizer import Codec
 
@@ -143,6 +145,7 @@ class ExecutionResult:
     status: EndStatus
     files: dict[str, bytes]
     module_passed: dict[str, bool] = field(default_factory=dict)
+    attempts: Counter[str] = field(default_factory=Counter)
     calls: Counter[str] = field(default_factory=Counter)
     events: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
@@ -274,6 +277,8 @@ class _Execution:
 
     def _attempt(self, ctx: _Context, module: ModuleSpec) -> str:
         """Write the module one line per step (one model call each); returns the whole code."""
+        self.result.attempts[module.name] += 1
+        self.result.files[ATTEMPTS_PATH] = json.dumps(dict(sorted(self.result.attempts.items()))).encode()
         lines = []
         for step in module.steps:
             ctx.append_text(prompts.step_request(step))

@@ -51,7 +51,10 @@ FAMILY = "arith-v1"
 SPLITS = ("train", "heldout")
 HELDOUT_BUCKETS = 5  # 1 in 5 problems is held out
 ANSWERS_PATH = "answers.json"
-SYSTEM_PROMPT = "You are a careful calculator. Reply with only the resulting number."
+SYSTEM_PROMPT = "You are a careful calculator. Reply with one equation that ends in the result."
+# A worked exchange shown before every task (format only: a tiny instruct model rambles without it).
+DEMO: tuple[tuple[str, str], ...] = (("What is 3 + 4?", "3 + 4 = 7"), ("Multiply that by 2.", "7 * 2 = 14"),
+                                     ("Subtract 5 from that.", "14 - 5 = 9"))
 _ID_RE = re.compile(r"^arith-v1/(train|heldout)/(\d{1,12})/n(\d+)\.v(\d+)$")
 _INT_RE = re.compile(r"-?\d+")
 _MAX_VALUE = 999  # running values stay a few digit tokens long
@@ -231,6 +234,8 @@ class ArithConfig:
     """Wall-clock budget of one execution; past it the execution ends as `timeout`."""
     system_prompt: str = SYSTEM_PROMPT
     """The system message (empty: the template's default system message, if any)."""
+    demo: bool = True
+    """Open the conversation with the worked exchange ``DEMO`` (shows the answer format)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens <= 256:
@@ -271,8 +276,10 @@ def run_arith_execution(task: ArithTask, client: ModelClient, tokenizer: Any, *,
     """
     if deadline_s is None:
         deadline_s = clock() + config.timeout_s
-    system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-    ctx = ChatContext(tokenizer, system)
+    opening = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    for question, answer in DEMO if config.demo else ():
+        opening += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    ctx = ChatContext(tokenizer, opening)
     result = ArithResult(task_id=task.task_id, status="finished")
     try:
         for turn, question in enumerate(task.questions):

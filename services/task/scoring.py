@@ -1,22 +1,32 @@
 """Grading a built-in XLong workspace: run every test (visible and hidden) of every module.
 
-The reward service's built-in scorer calls `score_workspace`; evaluation of the warm start uses it
-too, so "pass rate" means the same everywhere: an execution *passes* when every test of every
-module passes, and its reward is the fraction of tests that pass (partial credit). Module code is
-read from ``src/<module>.gs``; a missing or undecodable file fails that module's tests.
+The reward service's built-in scorers call `score_workspace`; evaluation uses it too, so "pass
+rate" means the same everywhere: an execution *passes* when every test of every module passes.
+
+Reward (partial credit): each module earns the fraction of its tests that pass, discounted by
+``ATTEMPT_DISCOUNT ** (attempts - 1)`` when the harness recorded how many attempts the module took
+(``harness/attempts.json``, written by the built-in harness, never by the model). Getting a module
+right the first time is worth more than getting it right after a failing report and a retry; that
+is the signal that teaches the policy the right line instead of leaning on fixes. Without the
+file (another harness), or with ``discount=1``, the reward is the plain fraction of tests passing.
+
+Module code is read from ``src/<module>.gs``; a missing or undecodable file fails that module.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.task.dsl import DslError, run_program
 from services.task.spec import TaskSpec
 
-__all__ = ["ModuleScore", "TaskScore", "score_workspace"]
+__all__ = ["ModuleScore", "TaskScore", "score_workspace", "ATTEMPTS_PATH", "ATTEMPT_DISCOUNT"]
 
 _MAX_CODE_BYTES = 4096
+ATTEMPTS_PATH = "harness/attempts.json"
+ATTEMPT_DISCOUNT = 0.5
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,8 @@ class ModuleScore:
     passed: int
     total: int
     error: str
+    attempts: int = 1
+    credit: float = 0.0  # fraction of tests passing, discounted by attempts
 
     @property
     def ok(self) -> bool:
@@ -44,9 +56,14 @@ class TaskScore:
         return sum(m.total for m in self.modules)
 
     @property
-    def reward(self) -> float:
+    def tests_fraction(self) -> float:
         """Fraction of all tests that pass."""
         return self.passed / self.total if self.total else 0.0
+
+    @property
+    def reward(self) -> float:
+        """Test-weighted mean of the modules' attempt-discounted credit."""
+        return sum(m.credit * m.total for m in self.modules) / self.total if self.total else 0.0
 
     @property
     def all_passed(self) -> bool:
@@ -63,13 +80,30 @@ def _read_code(files: Mapping[str, bytes], path: str) -> str | None:
         return None
 
 
-def score_workspace(task: TaskSpec, files: Mapping[str, bytes]) -> TaskScore:
+def _read_attempts(files: Mapping[str, bytes]) -> dict[str, int]:
+    raw = files.get(ATTEMPTS_PATH)
+    if raw is None or len(raw) > _MAX_CODE_BYTES:
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): int(v) for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+
+
+def score_workspace(task: TaskSpec, files: Mapping[str, bytes], *, discount: float = ATTEMPT_DISCOUNT) -> TaskScore:
     """Run all tests of `task` against the module code found in `files`."""
+    if not 0 < discount <= 1:
+        raise ValueError(f"discount must be in (0, 1], got {discount}")
     codes = {m.name: c for m in task.modules if (c := _read_code(files, task.module_path(m.name))) is not None}
+    attempts = _read_attempts(files)
     scores = []
     for m in task.modules:
+        n = min(attempts.get(m.name, 1), 64)
         if m.name not in codes:
-            scores.append(ModuleScore(m.name, 0, len(m.tests), "missing"))
+            scores.append(ModuleScore(m.name, 0, len(m.tests), "missing", n, 0.0))
             continue
         passed, error = 0, ""
         for x, want in m.tests:
@@ -77,5 +111,6 @@ def score_workspace(task: TaskSpec, files: Mapping[str, bytes]) -> TaskScore:
                 passed += run_program(codes[m.name], x, modules=codes, name=m.name) == want
             except DslError as e:
                 error = error or e.reason
-        scores.append(ModuleScore(m.name, passed, len(m.tests), error))
+        credit = passed / len(m.tests) * discount ** (n - 1)
+        scores.append(ModuleScore(m.name, passed, len(m.tests), error, n, credit))
     return TaskScore(tuple(scores))

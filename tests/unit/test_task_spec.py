@@ -71,3 +71,15 @@ def test_scoring_partial_credit_and_untrusted_files() -> None:
     assert s.modules[0].error == "missing" and not s.all_passed
     s = score_workspace(task, {**ref, task.module_path("m1"): b"x " * 5000})
     assert s.modules[0].passed == 0
+
+
+def test_reward_discounts_modules_by_recorded_attempts() -> None:
+    task = task_from_id(task_ids(1, params=TaskParams(num_modules=2, call_pct=0))[0])
+    ref = {task.module_path(m.name): m.reference_code.encode() for m in task.modules}
+    assert score_workspace(task, ref).reward == 1.0  # no attempts file: first try assumed
+    took = {**ref, "harness/attempts.json": b'{"m1": 1, "m2": 3}'}
+    s = score_workspace(task, took)
+    assert s.all_passed and s.tests_fraction == 1.0 and s.reward == pytest.approx((1 + 0.25) / 2)
+    assert score_workspace(task, took, discount=1.0).reward == 1.0
+    for junk in (b"[1]", b"{", b'{"m1": -4, "m2": "x"}', b'{"m1": true}'):
+        assert score_workspace(task, {**ref, "harness/attempts.json": junk}).reward == 1.0
