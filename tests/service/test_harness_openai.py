@@ -1,0 +1,103 @@
+"""The example external harness (examples/openai_harness.py): the official ``openai`` client against
+the gateway's OpenAI-compatible endpoint, a real scheduler and reward service, and its own
+ExternalScorer gRPC server that the reward service calls back."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from services.reward.client import RewardClient
+from services.reward.config import RewardConfig
+from services.reward.main import build_reward
+from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.scheduler.jobs import ExecState, Mode, TaskSource
+from services.scheduler.orchestrator import Orchestrator
+from services.task.model import BuiltinModelSpec, ensure_builtin_model
+from services.task.tokenizer import Codec
+from services.trajectory.records import Role
+from tests.service.scheduler_support import in_process_scheduler, job_spec
+from tests.support.rollout_cluster import start_engine, start_gateway
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _NoActuator:
+    def switch(self, *args: object, **kw: object) -> None:
+        raise AssertionError("no switch expected: no cells are registered")
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("openai_harness", REPO / "examples" / "openai_harness.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["openai_harness"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_builtin_model(tmp_path_factory.mktemp("models"),
+                                spec=BuiltinModelSpec(demo_tasks=40, sft_steps=20, batch_size=16))
+
+
+@pytest.fixture
+def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
+    rcfg = RewardConfig(redis_url=redis_url, spool_dir=str(tmp_path / "spool"), port=0, scorer_workers=1,
+                        log_json=False)
+    reward, reward_shutdown = build_reward(rcfg)
+    reward.start()
+    reward.set_serving(True)
+    engine = start_engine("cell-o", checkpoint=model_dir)
+    gw = start_gateway()
+    gw.client().register_engine(engine.cell_id, engine.address)
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)), model_name="gyre")
+    http = OpenAIServer(endpoint).start()
+    with in_process_scheduler(redis_url) as sched:
+        yield {"scheduler": sched, "gateway": gw, "http": http, "reward": reward.address}
+    http.stop()
+    gw.stop()
+    engine.stop()
+    reward_shutdown()
+    reward.stop(0)
+
+
+def test_openai_harness_runs_executions_and_grades_them_itself(stack: dict, model_dir: Path) -> None:
+    example = _example()
+    sched, gw, http = stack["scheduler"], stack["gateway"], stack["http"]
+    sched.client.submit_job(job_spec("oj", model=str(model_dir), num_steps=1, groups_per_step=1, group_size=2,
+                                     mode=Mode.COLOCATE, tasks=TaskSource(generator="xlong-v1",
+                                                                          params=(("num_modules", "2"),))))
+    assert Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    scorer = example.serve_scorer(0)
+    try:
+        ran = example.run(base_url=http.base_url, scheduler=sched.server.address, reward=stack["reward"],
+                          job_id="oj", max_executions=2, idle_exit_s=20.0, scorer_address=scorer.address)
+    finally:
+        scorer.stop(0)
+    assert ran == 2
+    eids = {r.execution_id for r in gw.records}
+    assert len(eids) == 2
+    codec = Codec.from_dir(model_dir)
+    reward = RewardClient(stack["reward"])
+    for eid in eids:
+        recs = [r for r in gw.records if r.execution_id == eid]
+        assert all(r.role == Role.MAIN and r.agent_id == "main" for r in recs)
+        # The chat template reproduces the built-in prompt format token for token.
+        first = codec.tok.decode(recs[0].prompt_ids.tolist(), skip_special_tokens=False)
+        assert first.startswith("<|system|> task modules m1 m2 <|user|> module m1 tests")
+        assert first.rstrip().endswith("<|user|> step x <|assistant|>")
+        # Later turns extend earlier ones exactly (the endpoint reuses the earlier turns' ids).
+        assert recs[1].prompt_ids[: len(recs[0].prompt_ids)].tolist() == recs[0].prompt_ids.tolist()
+        score = reward.get_score(eid)
+        assert score.scorer.startswith("external:") and score.state == "ok" and score.tests_total == 8
+        assert sched.client.get_execution(eid).state is ExecState.FINISHED
