@@ -146,13 +146,13 @@ class ServiceProcess:
             return "(no log)"
 
 
-def stop_all(procs: Sequence[ServiceProcess]) -> None:
-    """Cleanup for fixtures: SIGTERM everyone, then SIGKILL stragglers."""
+def stop_all(procs: Sequence[ServiceProcess], timeout_s: float = 20.0) -> None:
+    """Cleanup for fixtures: SIGTERM everyone, then SIGKILL stragglers after ``timeout_s``."""
     for p in procs:
         if p.alive():
             assert p.proc is not None
             p.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + timeout_s
     for p in procs:
         if p.proc is None:
             continue
