@@ -3,13 +3,14 @@
 A task is a start expression and a chain of operations, asked one turn at a time; the model has
 to carry its running result from turn to turn:
 
-    system    You are a careful calculator. Reply with only the resulting number.
+    system    You are a careful calculator. Reply with one equation that ends in the result.
+              (then a worked exchange, ``DEMO``, that shows the format: "3 + 4 = 7", "7 * 2 = 14")
     user      What is 7 + 5?
-    assistant 12                                  <- scored against 12
+    assistant 7 + 5 = 12                          <- scored against 12
     user      Multiply that by 3.
-    assistant 36                                  <- scored against 36 (the exact chain)
+    assistant 12 * 3 = 36                         <- scored against 36 (the exact chain)
     user      Subtract 9 from that.
-    assistant 27
+    assistant 36 - 9 = 27
 
 Scoring is exact and partial: the answer of a turn is the last integer of the reply, and a turn
 is correct iff it equals the true running value. reward = correct turns / turns; a task *passes*
@@ -67,7 +68,7 @@ class ArithParams:
 
     turns: int = 3
     """Operations in the chain, one per user turn (the horizon)."""
-    max_operand: int = 20
+    max_operand: int = 10
     """Largest operand of + and - (multipliers are 2..5)."""
 
     def __post_init__(self) -> None:

@@ -1,0 +1,176 @@
+"""SmolLM2-135M-Instruct end to end: a real checkpoint, its BPE tokenizer and ChatML chat template.
+
+The engine (``--model smollm2-135m-instruct``), the gateway's tokenizer (``--tokenizer-path
+smollm2-135m-instruct``) and the trainer's model are all loaded by name through
+services.models.source. A multi-turn conversation driven by the official ``openai`` client, and
+the arith-v1 harness over gRPC TITO, both reach a real trajectory service (real Redis) as records
+whose tree has exactly one path per linear conversation. Greedy TITO output equals HF
+``generate`` on the same chat prompt; the trainer's log-probs equal the engine's.
+
+The model is loaded once per module (the first run ever converts the GGUF, ~80 s; later loads
+take seconds); generations are a few tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from protos.gyre.v1 import rollout_pb2_grpc
+from services.common.server import GyreServer, build_server
+from services.models.source import DEFAULT_CACHE, SMOLLM2
+from services.rollout.calls import CallMeta
+from services.rollout.config import EngineConfig, GatewayConfig
+from services.rollout.engine import SamplingParams
+from services.rollout.host import EngineHost
+from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
+from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.rollout.servicer import EngineServicer
+from services.rollout.tito import TitoForwarder
+from services.task import arith
+from services.task.model_clients import GatewayModelClient
+from services.trajectory.client import TrajectoryClient
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.main import build_trajectory
+from tests.support.redis_server import RedisServer
+from tests.support.rollout_cluster import LocalGateway, start_gateway
+
+torch.set_num_threads(1)
+SERVED = "smollm2-135m-instruct"
+
+
+@dataclass
+class Stack:
+    engine: Any  # TorchEngine
+    tokenizer: Any
+    gateway: LocalGateway
+    http: OpenAIServer
+    forwarder: TitoForwarder
+    trajectory: TrajectoryClient
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    traj: GyreServer
+    traj, _ = build_trajectory(TrajectoryConfig(redis_url=redis_srv.url, port=0,
+                                                spool_dir=str(tmp_path_factory.mktemp("spool"))))
+    traj.start()
+    traj.set_serving(True)
+    engine = _load_engine(EngineConfig(model=SMOLLM2, device="cpu", torch_threads=1, max_context_tokens=2048,
+                                       max_batch_size=8))
+    host = EngineHost(engine, cell_id="cell-smol", kv_kinds=("tcp",))
+    engine_server = build_server("engine-smol", [(rollout_pb2_grpc.add_EngineServicer_to_server,
+                                                  EngineServicer(host, attach_wait_s=20.0))],
+                                 service_names=["gyre.v1.Engine"], max_workers=64)
+    host.address = engine_server.address
+    host.start()
+    engine_server.start()
+    engine_server.set_serving(True)
+    forwarder = TitoForwarder(_tito_sink(GatewayConfig(trajectory_address=traj.address))).start()
+    gw = start_gateway(on_record=forwarder.submit)
+    gw.client().register_engine("cell-smol", engine_server.address)
+    tokenizer = _load_tokenizer(GatewayConfig(tokenizer_path=SMOLLM2))
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol")
+    http = OpenAIServer(endpoint, max_body_bytes=1 << 20).start()
+    client = TrajectoryClient(traj.address)
+    yield Stack(engine, tokenizer, gw, http, forwarder, client)
+    client.close()
+    http.stop()
+    gw.stop()
+    forwarder.stop(timeout_s=10)
+    engine_server.stop(0)
+    host.stop()
+    traj.stop(0)
+    redis_srv.stop()
+
+
+def test_openai_multi_turn_chat_is_one_trajectory_path(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.http.base_url, api_key="unused", max_retries=0, timeout=300)
+    assert [m.id for m in client.models.list()] == [SERVED]
+    headers = {"x-gyre-execution-id": "ex-openai", "x-gyre-agent-id": "main"}
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a concise assistant."}]
+    users = ["What is the capital of France?", "And of Spain? Answer in one word.", "Spell it backwards."]
+    turns = []
+    for i, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        resp = client.chat.completions.create(
+            model=SERVED, messages=messages, max_tokens=8, temperature=0.7 if i == 1 else 0, seed=11,
+            extra_headers=headers, extra_body={"return_token_ids": True})
+        reply = resp.choices[0].message.content
+        assert isinstance(reply, str)
+        turns.append(resp.model_extra["gyre"])
+        messages.append({"role": "assistant", "content": reply})
+    # Served with SmolLM2's own ChatML template: turn 1 is that template rendered and tokenized once.
+    rendered = stack.tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
+    assert turns[0]["prompt_ids"] == stack.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    # Later turns start with the exact ids of everything before (no re-tokenization of replies).
+    for before, after in zip(turns, turns[1:]):
+        earlier = before["prompt_ids"] + before["output_ids"]
+        assert after["prompt_ids"][: len(earlier)] == earlier and after["reused_prompt_tokens"] == len(earlier)
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-openai", job_id="job-smol")
+    last = turns[-1]
+    assert stats.num_calls == 3 and stats.paths == 1
+    assert stats.unique_tokens == len(last["prompt_ids"]) + len(last["output_ids"])
+    assert stats.trainable_tokens == sum(len(t["output_ids"]) for t in turns)
+
+
+def test_tito_greedy_matches_hf_generate_and_trainer_logprobs(stack: Stack) -> None:
+    tok = stack.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    ids = np.asarray(tok(prompt, add_special_tokens=False)["input_ids"], np.int32)
+    res = stack.gateway.client().generate(
+        CallMeta(job_id="job-smol", execution_id="ex-parity", call_id="c1", agent_id="main"), ids,
+        SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(tok.eos_token_id,)))
+    with torch.no_grad():  # the engine is idle now: reuse its weights for the reference
+        ref = stack.engine.model.generate(torch.from_numpy(ids[None].astype(np.int64)), do_sample=False,
+                                          max_new_tokens=12, eos_token_id=tok.eos_token_id,
+                                          pad_token_id=tok.eos_token_id, output_scores=True,
+                                          return_dict_in_generate=True)
+    want = ref.sequences[0, len(ids):].tolist()
+    assert res.output_ids.tolist() == want and len(want) >= 4
+    ref_lp = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(ref.scores, want)]
+    np.testing.assert_allclose(res.output_logprobs, ref_lp, atol=2e-3)
+    # The trainer loads the same model by name; its log-probs of the recorded tokens match the engine's.
+    from services.trainer.model import build_model
+
+    model = build_model(SMOLLM2, model_cache_dir=str(DEFAULT_CACHE)).eval()
+    full = torch.from_numpy(np.concatenate([ids, res.output_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
+    trainer_lp = logp.gather(-1, torch.from_numpy(res.output_ids.astype(np.int64))[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(trainer_lp, res.output_logprobs, atol=2e-3)
+
+
+def test_arith_harness_over_tito_is_one_path_per_execution(stack: Stack) -> None:
+    client = GatewayModelClient(stack.gateway.address)
+    try:
+        for seed, temperature in ((0, 0.0), (1, 1.0)):
+            task = arith.task_from_id(f"arith-v1/train/{seed}/n3.v10")
+            res = arith.run_arith_execution(task, client, stack.tokenizer, job_id="job-smol",
+                                            execution_id=f"ex-arith-{seed}",
+                                            config=arith.ArithConfig(temperature=temperature, max_new_tokens=10))
+            assert res.status == "finished" and len(res.replies) == 3
+            assert arith.score(res.files, task.task_id, res.status)["score"] == res.reward
+            assert stack.forwarder.flush(timeout_s=60)
+            stats = stack.trajectory.execution_stats(f"ex-arith-{seed}", job_id="job-smol")
+            assert stats.num_calls == 3 and stats.paths == 1
+            assert stats.trainable_tokens == res.output_tokens
+    finally:
+        client.close()
+
+
+def test_cache_dir_holds_the_converted_checkpoint() -> None:
+    path = Path(DEFAULT_CACHE) / SMOLLM2
+    assert (path / ".complete").exists() and (path / "model.safetensors").stat().st_size > 500_000_000
+    assert "<|im_start|>" in (path / "chat_template.jinja").read_text()
