@@ -249,3 +249,14 @@ def test_huge_wait_is_refused_not_overflowed(cluster: Cluster, svc: str, name: s
         code, details = cluster.call(svc, method, request)
         assert code in ALLOWED, f"{svc}.{name}({field}={huge}) answered {code.name}: {details}"
         assert cluster.procs[svc].alive()
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: StartJob with device='fz-job' -> INTERNAL RuntimeError "
+                                       "'Invalid device string' (found by GYRE_FUZZ_RANDOM=1)")
+def test_start_job_with_a_bad_device_is_invalid_argument(cluster: Cluster) -> None:
+    method = _method("trainer", "StartJob")
+    request = trainer_pb2.StartJobRequest()
+    request.job.job_id, request.job.source, request.job.device = "fz-dev", "synthetic", "fz-job"
+    code, details = cluster.call("trainer", method, request)
+    assert code == C.INVALID_ARGUMENT, f"{code.name}: {details}"
+    assert cluster.state("trainer")[1] in ("idle", "failed"), "a refused job must not start"
