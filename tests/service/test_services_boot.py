@@ -9,10 +9,14 @@ costs about one torch import, not six.
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -86,9 +90,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, _session_redis) -> Iterato
         stop_all(list(procs.values()))
 
 
-# agents first: on SIGTERM they deregister from the scheduler, which must still be up
-@pytest.mark.parametrize("name", [s.name for s in sorted(specs(), key=lambda s: s.module != "services.scheduler.agent_main")])
-def test_service_serves_reflects_and_stops_on_sigterm(cluster: dict[str, ServiceProcess], name: str) -> None:
+@pytest.mark.parametrize("name", [s.name for s in specs()])
+def test_service_serves_and_reflects(cluster: dict[str, ServiceProcess], name: str) -> None:
     proc = cluster[name]
     assert health(proc.address) == health_pb2.HealthCheckResponse.SERVING
     for service in EXPECTED[proc.module]:
@@ -96,8 +99,55 @@ def test_service_serves_reflects_and_stops_on_sigterm(cluster: dict[str, Service
     listed = reflected_services(proc.address)
     assert EXPECTED[proc.module] <= listed, f"reflection of {name} lists {sorted(listed)}"
     assert "grpc.health.v1.Health" in listed
+
+
+# A long-poll a client may hold when the service is told to stop: it must not keep the process up.
+LONG_POLLS: dict[str, tuple[str, Any]] = {
+    "services.trajectory.main": ("/gyre.v1.Trajectory/StreamBatches",
+                                 trajectory_pb2.StreamBatchesRequest(job_id="boot", step=0, consumer_id="c")),
+    "services.trainer.main": ("/gyre.v1.Trainer/GetWeights", trainer_pb2.GetWeightsRequest(version=5, wait_s=600)),
+    "services.rollout.engine_main": ("/gyre.v1.Engine/Attach", rollout_pb2.AttachRequest(request_id="x", wait_s=600)),
+    "services.scheduler.main": ("/gyre.v1.Worker/LeaseExecution",
+                                scheduler_pb2.LeaseExecutionRequest(worker_id="w", job_id="", wait_s=60)),
+}
+# Found by this test (strict, so a fix fails the mark and gets it removed). One cause: server.stop()
+# returns, but the handler thread stays blocked in its wait and the interpreter joins the RPC
+# threads at exit, so the process lives until the wait ends (systemd/compose then SIGKILL it).
+HANGS_ON_SIGTERM = {
+    "services.trainer.main": "a GetWeights long-poll in flight keeps the process alive after SIGTERM",
+    "services.rollout.engine_main": "an Attach long-poll in flight keeps the process alive after SIGTERM",
+    "services.scheduler.main": "a LeaseExecution long-poll in flight keeps the process alive after SIGTERM",
+}
+
+
+def _hold(address: str, path: str, request: Any) -> None:
+    with grpc.insecure_channel(address) as ch:
+        call = (ch.unary_stream if path.endswith(("StreamBatches", "GetWeights", "Attach")) else ch.unary_unary)(
+            path, lambda m: m.SerializeToString(), lambda b: b)
+        try:
+            result = call(request, timeout=120)
+            if not isinstance(result, bytes):
+                list(result)
+        except grpc.RpcError:
+            pass  # cut off by the shutdown: expected
+
+
+def _stop_params() -> list[Any]:
+    # agents first: on SIGTERM they deregister from the scheduler, which must still be up
+    ordered = sorted(specs(), key=lambda s: s.module != "services.scheduler.agent_main")
+    return [pytest.param(s.name, id=s.name, marks=[pytest.mark.xfail(strict=True, reason=HANGS_ON_SIGTERM[s.module])]
+                         if s.module in HANGS_ON_SIGTERM else []) for s in ordered]
+
+
+@pytest.mark.parametrize("name", _stop_params())
+def test_sigterm_exits_0_within_the_grace_period_even_with_a_long_poll(cluster: dict[str, ServiceProcess],
+                                                                      name: str) -> None:
+    proc = cluster[name]
+    if proc.module in LONG_POLLS:
+        threading.Thread(target=_hold, args=(proc.address, *LONG_POLLS[proc.module]), daemon=True).start()
+        time.sleep(0.5)  # the call is in the server's hands
     # Engines drain (grace) and then stop the server (grace): allow both, plus process exit.
-    code = proc.terminate(timeout_s=2 * GRACE_S + 20)
+    code = proc.terminate(timeout_s=2 * GRACE_S + 4)
     assert code == 0, proc.tail()
     assert "stopped" in proc.tail(5), proc.tail()
 
