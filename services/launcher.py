@@ -111,7 +111,9 @@ def harness_spec(*, job_id: str, model: str, concurrency: int) -> ServiceSpec:
     return ServiceSpec("harness", "services.task.harness", "harness", serves=False,
                        deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
                                        "--reward", a["reward"], "--job-id", job_id, "--model-dir", model,
-                                       "--concurrency", str(concurrency)])
+                                       "--concurrency", str(concurrency),
+                                       # model calls wait (not fail) while every cell trains
+                                       "--call-retries", "60"])
 
 
 class Launcher:

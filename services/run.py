@@ -108,7 +108,8 @@ class Evaluator:
         knobs = TaskParams(**{k: int(v) for k, v in cfg.knobs().items()})
         self.tasks = [task_from_id(t) for t in task_ids(cfg.eval_tasks, split="heldout", params=knobs)]
         self.gateway = GatewayClient(gateway_address, timeout_s=300.0)
-        self.client = GatewayModelClient(self.gateway)
+        # generous retries: in elastic mode every rollout cell may be training right now
+        self.client = GatewayModelClient(self.gateway, retries=40)
         self.codec = Codec.from_dir(str(model_dir)) if (model_dir / "tokenizer.json").exists() else Codec()
         self.cfg = cfg
         self.job_id = f"{job_id}-eval"
@@ -154,6 +155,8 @@ class RunResult:
     wall_s: float
     report: Path | None
     final_state: str
+    migrations: dict[str, float] = dataclasses.field(default_factory=dict)
+    weight_version: int = 0
 
 
 class _Watcher:
@@ -297,15 +300,19 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
             evaluate(last_step)
         steps = _step_rows(trajectory, trainer, watcher, job_id)
         roles = watcher.close()
+        migrations = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_migrations_total", "transport")
+        weight_version = scheduler.get_job(job_id).weight_version
         meta = {"mode": cfg.mode, "seed": cfg.seed, "model": cfg.model, "job": job_id,
                 "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch CPU",
+                "migrations (by transport)": json.dumps(migrations),
                 "config": json.dumps(dataclasses.asdict(cfg))}
         from services.report import write_report
 
         report = write_report(cfg.report_dir, steps=steps, evals=evals, roles=roles, switches=watcher.switches,
                               meta=meta)
         echo(f"report: {report}")
-        return RunResult(job_id, cfg.mode, steps, evals, roles, watcher.switches, time.time() - t0, report, state)
+        return RunResult(job_id, cfg.mode, steps, evals, roles, watcher.switches, time.time() - t0, report, state,
+                         migrations, weight_version)
     finally:
         if watcher is not None:
             watcher.close()
@@ -375,6 +382,26 @@ def _follow(cfg: RunConfig, scheduler: Any, trainer: Any, trajectory: Any, watch
             live.stop()
 
 
+def _scrape(port: int | None, metric: str, label: str) -> dict[str, float]:
+    """One labelled counter from a service's Prometheus endpoint: {label value: count}."""
+    if not port:
+        return {}
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == metric:
+                out[sample.labels.get(label, "")] = sample.value
+    return out
+
+
 def _bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * min(done, total) / max(total, 1))
     return "█" * filled + "░" * (width - filled)
@@ -426,6 +453,12 @@ def run_main(argv: Sequence[str]) -> int:
     from services.common.logging import setup_logging
 
     setup_logging(json=True, level="WARNING", service="run")
+    import signal
+
+    def _interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds run_job's finally: the stack is taken down
+
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if compare:
             from services.compare import compare_modes
@@ -441,5 +474,6 @@ def run_main(argv: Sequence[str]) -> int:
                       "steps": len(result.steps), "wall_s": round(result.wall_s, 1),
                       "heldout_pass_rate_first": first.get("heldout_pass_rate"),
                       "heldout_pass_rate_last": last.get("heldout_pass_rate"),
-                      "switches": len(result.switches), "report": str(result.report)}))
+                      "switches": len(result.switches), "migrations": result.migrations,
+                      "report": str(result.report)}))
     return 0

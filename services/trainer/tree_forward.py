@@ -241,7 +241,11 @@ class TreePolicy:
     def backend_for(self, num_tokens: int) -> str:
         if self.attention != "auto":
             return self.attention
-        return "sdpa" if num_tokens <= self.max_dense_tokens else "flex"
+        if num_tokens <= self.max_dense_tokens or self.device.type == "cpu":
+            # flex_attention has no backward on CPU (torch 2.13): on CPU the dense mask is the only
+            # trainable backend, and batches above max_dense_tokens get a clear error below
+            return "sdpa"
+        return "flex"
 
     def hidden_states(self, t: TreeTensors) -> torch.Tensor:
         """Last hidden states [N, H] of the packed forest under the tree mask."""

@@ -1,0 +1,104 @@
+"""`gyre run` on the real stack (every service a process, own redis-server), kept short.
+
+Asserts the pipeline, not the learning (that is `make run`'s job, measured in its report):
+executions complete, TITO records arrive and are packed as trees, steps are applied and the weight
+version advances, cells switch ROLLOUT->TRAIN mid-run, and in-flight requests are migrated.
+
+A background client keeps long generations in flight on the gateway, as a long-context harness
+call would, so a drain has something to migrate (that a migrated continuation is token-identical
+is tested in tests/service/test_rollout_migration.py); each of its calls must still complete.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.run import RunConfig, run_job
+
+
+@pytest.mark.timeout(900)
+def test_gyre_run_elastic_small(tmp_path: Path) -> None:
+    cfg = RunConfig(mode="elastic", steps=2, groups_per_step=4, group_size=2, engines=2, harness_concurrency=8,
+                    eval_tasks=4, eval_every=1, time_budget_s=600, report_dir=str(tmp_path / "report"),
+                    data_dir=str(tmp_path / "data"), quiet=True)
+    lines: list[str] = []
+    long_calls = _LongCalls()
+    result = run_job(cfg, echo=lambda m: (lines.append(m), long_calls.maybe_start(m)))
+    long_calls.stop()
+
+    assert result.final_state == "completed", lines
+    assert len(result.steps) == cfg.steps
+    assert result.weight_version >= cfg.steps  # one published version per step
+    for row in result.steps:
+        assert row["tree_tokens"] > 0 and row["naive_tokens"] >= row["tree_tokens"]
+    assert any(s["from"] == "rollout" and s["to"] == "train" for s in result.switches), result.switches
+    assert sum(result.migrations.values()) >= 1, result.migrations
+    assert long_calls.completed >= 1 and long_calls.failed == 0
+    assert len(result.evals) >= 2 and all(0.0 <= e["heldout_pass_rate"] <= 1.0 for e in result.evals)
+    report = Path(result.report or "")
+    assert report.exists() and (report.parent / "cell_timeline.png").exists()
+    kinds = [json.loads(x)["kind"] for x in (report.parent / "metrics.jsonl").read_text().splitlines()]
+    assert "switch" in kinds and kinds.count("step") == cfg.steps
+
+
+class _LongCalls:
+    """Two long greedy generations kept in flight through the gateway once it is up."""
+
+    def __init__(self) -> None:
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.completed = 0
+        self.failed = 0
+
+    def maybe_start(self, line: str) -> None:
+        if line.startswith("report: "):  # the job is over; the stack goes down next
+            self.stop()
+            return
+        if not line.startswith("gateway ") or self.threads:
+            return
+        address = line.split()[1]
+        for agent in range(2):
+            t = threading.Thread(target=self._loop, args=(address, agent), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _loop(self, address: str, agent: int) -> None:
+        from services.common.errors import GyreError
+        from services.rollout.calls import CallMeta
+        from services.rollout.client import GatewayClient
+        from services.rollout.engine import SamplingParams
+
+        gateway = GatewayClient(address, timeout_s=120)
+        prompt = np.arange(3, 40 + agent, dtype=np.int32)
+        params = SamplingParams(temperature=0.0, max_new_tokens=400)
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            meta = CallMeta(job_id="longcalls", execution_id=f"long-{agent}-{n}", call_id="c0",
+                            agent_id=f"long-{agent}")
+            try:
+                res = gateway.generate(meta, prompt, params)
+            except GyreError as exc:
+                if "no rollout engine is available" in str(exc):  # every cell trains right now
+                    self.stopping.wait(0.5)
+                    continue
+                if not self.stopping.is_set():
+                    self.failed += 1
+                    print("long call failed:", exc)
+                self.stopping.wait(0.5)
+                continue
+            assert len(res.output_ids) == len(res.output_logprobs) >= 1
+            self.completed += 1
+            time.sleep(0.05)
+        gateway.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=30)
