@@ -140,10 +140,6 @@ def _execution(rng: np.random.Generator, eid: str) -> list[TitoCall]:
             for i, (p, out) in enumerate([(prompt, out1), (second, out2), (retry, out3)])]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: the core acks each micro-batch to trajectory before the step's update is durable "
-    "(checkpointed), so a core killed mid-step resumes that step without the batches it had acked; "
-    "fix in trainer/trajectory (ack on commit, or re-hand a resumed step's batches), then drop this mark"))
 def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_path: Path,
                                                                          _session_redis: RedisServer) -> None:
     traj = ServiceProcess.start("trajectory", "services.trajectory.main", tmp_path, [
