@@ -12,7 +12,7 @@ built-in harness in services/task/harness.py shows those):
 
     system  "task modules m1 m2 ..."
     user    "module m1 tests 8 -> 4 8 , ..."      then, per step:
-    user    "step _ - 2"   ->  assistant "2 -"      (one chat completion per step)
+    user    "step sub 2"   ->  assistant "2 -"      (one chat completion per step)
     tool    "m1 pass 2 / 2"  (or fail + " fix m1", then the steps again, once)
 
     python examples/openai_harness.py --base-url http://127.0.0.1:8000/v1 \\

@@ -1,16 +1,15 @@
 """Demonstrations for the supervised warm start: the real agent loop driven by a scripted policy.
 
 `Demonstrator` is a `ModelClient` that reads the prompt back (`prompts.parse_request`) and answers
-like a careless expert: it translates every step right, except that it has a habit of writing
-``swap`` before ``-`` (right for ``c - _``, wrong for ``_ - c``), and it summarizes contexts
-exactly. Because the demonstrations come from running the *same* agent (same segments,
+like a careless expert: it translates every step right, except that it often writes ``sub c``
+as if it were ``rsub c`` (``c swap -``), and it summarizes contexts exactly. Because the demonstrations come from running the *same* agent (same segments,
 compactions, sub-agents and retries), the warm-started model sees exactly the formats it will
 meet in RL.
 
 The deliberate habit is what leaves RL room: the warm-started policy knows the format and the
-translation, but prefers the wrong line for one form of ``-``, so its greedy pass rate sits well
-below the ceiling while sampling still finds correct programs often enough for group-relative
-advantages to have signal.
+translation, but prefers the wrong line for ``sub c``, so its greedy pass rate sits well below the
+ceiling while sampling still finds correct programs often enough for group-relative advantages
+to have signal.
 
 `training_sequences` turns one execution's calls into maximal token sequences (every call whose
 prompt + output is a prefix of a longer one is folded into it) with a mask of generated positions.
@@ -33,17 +32,16 @@ __all__ = ["DemoNoise", "Demonstrator", "DemoCall", "collect_demonstrations", "t
 
 @dataclass(frozen=True, kw_only=True)
 class DemoNoise:
-    """How the demonstrator errs: it has a habit of writing ``swap`` before ``-``."""
+    """How the demonstrator errs: it often treats ``sub c`` like ``rsub c`` (writes ``c swap -``)."""
 
-    minus_swap_pct: int | None = 55
-    """Percent of ``-`` lines written as ``c swap -`` whatever the step says (first attempts);
-    None: no habit, every line right.
+    minus_swap_pct: int | None = 60
+    """Percent of ``sub c`` lines written as ``c swap -`` (wrong) in first attempts; ``rsub c``
+    lines are always right. None: no habit at all.
 
-    The right line is ``c swap -`` for ``c - _`` and ``c -`` for ``_ - c``; above 50 the
-    warm-started policy prefers the right line for one form and the wrong one for the other, so its
-    greedy pass rate sits well below the ceiling while sampling is right ~45% of the time on the
-    weak form (group-relative RL needs both outcomes in a group)."""
-    fix_minus_swap_pct: int | None = 55
+    Above 50 the warm-started policy prefers the wrong line for ``sub c`` (so its greedy pass rate
+    sits well below the ceiling) while sampling still writes the right one ~40% of the time, so
+    group-relative RL sees both outcomes; fixing it is one context-specific preference to flip."""
+    fix_minus_swap_pct: int | None = 60
     """The same habit in attempts after a failing report (``fix`` turns)."""
 
     def __post_init__(self) -> None:
@@ -53,11 +51,11 @@ class DemoNoise:
 
 
 def sloppy_line(step: str, rng: random.Random, swap_pct: int | None) -> str:
-    """The demonstrator's code line for a step: right, except ``-`` lines follow its swap habit."""
-    toks = step_code(step).split()
-    if toks[-1] == "-" and swap_pct is not None:
-        return f"{toks[0]} swap -" if rng.randrange(100) < swap_pct else f"{toks[0]} -"
-    return " ".join(toks)
+    """The demonstrator's code line for a step: right, except its habit on ``sub c`` steps."""
+    line = step_code(step)
+    if swap_pct is not None and step.startswith("sub ") and rng.randrange(100) < swap_pct:
+        return f"{line.split()[0]} swap -"
+    return line
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from services.task.tokenizer import Codec, save_hf_tokenizer
 
 __all__ = ["BuiltinModelSpec", "ensure_builtin_model", "builtin_config", "warm_start", "BUILD_VERSION"]
 
-BUILD_VERSION = "builtin-tiny-v1"
+BUILD_VERSION = "builtin-tiny-v2"
 MODEL_DIR_NAME = "builtin-tiny"
 _STAMP = "gyre_build.json"
 
@@ -108,7 +108,7 @@ def builtin_config(spec: BuiltinModelSpec, codec: Codec) -> Any:
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True,
         attention_dropout=0.0,
-        rope_theta=10_000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         bos_token_id=codec.tok.token_to_id("<bos>"),
         eos_token_id=codec.eos_id,
         pad_token_id=codec.pad_id,

@@ -8,8 +8,8 @@ one line per step, then the harness runs the module's visible tests:
     <|system|> task modules m1 m2 m3 m4
     <|user|> module m1 tests 8 -> 4 8 , 1 -> - 8
     <|user|> step x <|assistant|> x <eos>
-    <|user|> step _ - 2 <|assistant|> 2 - <eos>
-    <|user|> step 8 * _ <|assistant|> 8 * <eos>
+    <|user|> step sub 2 <|assistant|> 2 - <eos>
+    <|user|> step mul 8 <|assistant|> 8 * <eos>
     <|tool|> m1 pass 2 / 2
     <|user|> module m2 tests ...  ...steps...
     <|tool|> m2 fail 1 / 2 : 4 -> 1 2 want 1 4 fix m2      (then the steps again)
@@ -48,7 +48,7 @@ ERROR_REASONS = (
 # Words besides digits, module names and DSL operators that segments use.
 WORDS = (
     "task", "modules", "module", "step", "tests", "fix", "pass", "fail", "error", "want",
-    "subagent", "for", "summarize", "summary", "x", "_", "(", ")", "->", ",", ":", "/",
+    "subagent", "for", "summarize", "summary", "x", "add", "sub", "rsub", "mul", "(", ")", "->", ",", ":", "/",
 )  # fmt: skip
 MAX_MODULES = 64
 

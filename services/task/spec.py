@@ -1,9 +1,10 @@
 """The built-in XLong task family: "build a small repo" of GyreStack modules, generated from a seed.
 
 A task is a spec of `num_modules` modules ``m1..mN``. Each module is one integer function given as
-a chain of steps: a start (``x`` or a call ``m1 ( x )``), then infix steps with ``_`` standing for
-the value so far (``m1 ( x ) , _ * 2 , 7 - _`` is ``7 - (m1(x) * 2)``). The agent writes the
-module as postfix GyreStack code, one line per step (``x m1`` / ``2 *`` / ``7 swap -``). Later modules may call earlier ones, so a wrong module can
+a chain of steps applied to the value so far: a start (``x`` or a call ``m1 ( x )``), then ``add c``,
+``mul c``, ``sub c`` (value - c) or ``rsub c`` (c - value); ``m1 ( x ) , mul 2 , rsub 7`` is
+``7 - m1(x) * 2``. The agent writes the module as postfix GyreStack code, one line per step
+(``x m1`` / ``2 *`` / ``7 swap -``). Later modules may call earlier ones, so a wrong module can
 fail the tests of the modules built on it, as in a real repository. Each module has visible tests
 (shown to the agent and run by the harness) and hidden tests (only the reward scorer runs them).
 
@@ -27,7 +28,13 @@ SPLITS = ("train", "heldout")
 _ID_RE = re.compile(r"^xlong-v1/(train|heldout)/(\d{1,12})/m(\d+)\.s(\d+)-(\d+)\.c(\d+)\.t(\d+)\.h(\d+)$")
 _MAX_ABS_OUTPUT = 999  # keeps test values a few digit tokens long
 _INPUTS = tuple(range(0, 10))
-_OPS = ("+", "-", "*")
+# Step words and their postfix lines: the value so far is on the stack, the constant goes on top.
+# `rsub` is the one whose line needs a swap: `value c swap -` = c - value.
+STEP_CODE = {"add": "{c} +", "sub": "{c} -", "rsub": "{c} swap -", "mul": "{c} *"}
+_STEP_WORDS = ("add", "mul", "rsub", "sub")
+# `sub` is the step the warm-start demonstrator gets wrong (services.task.demos); its share sets
+# how far below the ceiling the warm-started policy starts.
+_STEP_WEIGHTS = (30, 30, 25, 15)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +89,7 @@ class ModuleSpec:
 
     @property
     def expr(self) -> str:
-        """The whole definition on one line, e.g. ``m1 ( x ) , _ * 2 , 7 - _``."""
+        """The whole definition on one line, e.g. ``m1 ( x ) , mul 2 , rsub 7``."""
         return " , ".join(self.steps)
 
     @property
@@ -123,18 +130,14 @@ class TaskSpec:
 
 
 def step_code(step: str) -> str:
-    """Reference GyreStack code of one spec step (``x``, ``m2 ( x )``, ``_ - 3`` or ``3 - _``)."""
+    """Reference GyreStack line of one spec step (``x``, ``m2 ( x )``, ``add 3``, ``rsub 3`` ...)."""
     toks = step.split()
     if toks == ["x"]:
         return "x"
     if len(toks) == 4 and toks[1:] == ["(", "x", ")"]:
         return f"x {toks[0]}"
-    if len(toks) == 3 and toks[0] == "_" and toks[1] in _OPS:
-        return f"{toks[2]} {toks[1]}"
-    if len(toks) == 3 and toks[2] == "_" and toks[1] in _OPS:
-        # Postfix keeps one shape (acc, const, op): a constant on the left of a
-        # non-commutative op needs a swap, `acc c swap -` = c - acc.
-        return f"{toks[0]} swap {toks[1]}" if toks[1] == "-" else f"{toks[0]} {toks[1]}"
+    if len(toks) == 2 and toks[0] in STEP_CODE and toks[1].isdigit():
+        return STEP_CODE[toks[0]].format(c=toks[1])
     raise ValueError(f"not a step of the built-in task: {step[:40]!r}")
 
 
@@ -150,8 +153,8 @@ def _gen_module(rng: random.Random, index: int, earlier: list[ModuleSpec], param
         else:
             steps = ["x"]
         for _step in range(rng.randint(params.min_ops, params.max_ops)):
-            op, const = rng.choice(_OPS), rng.randint(1, 9)
-            steps.append(f"{const} {op} _" if rng.random() < 0.5 else f"_ {op} {const}")
+            op = rng.choices(_STEP_WORDS, weights=_STEP_WEIGHTS)[0]
+            steps.append(f"{op} {rng.randint(1, 9)}")
         code = " ".join(step_code(st) for st in steps)
         inputs = rng.sample(_INPUTS, params.visible_tests + params.hidden_tests)
         outputs = [run_program(code, x, modules=modules, name=name) for x in inputs]

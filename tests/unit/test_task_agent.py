@@ -23,12 +23,12 @@ PARAMS = TaskParams(num_modules=4, min_ops=2, max_ops=3)
 
 
 def _task_with_weak_steps() -> tuple[TaskSpec, list[str]]:
-    """A task (no calls between modules) where some modules have a `_ - c` step: a demonstrator
+    """A task (no calls between modules) where some modules have a `sub c` step: a demonstrator
     that always swaps fails exactly those."""
     params = TaskParams(num_modules=4, min_ops=2, max_ops=3, call_pct=0)
     for seed in range(500):
         task = generate_task(seed, params)
-        weak = [m.name for m in task.modules if any(s.startswith("_ - ") for s in m.steps)]
+        weak = [m.name for m in task.modules if any(s.startswith("sub ") for s in m.steps)]
         if weak and len(weak) < len(task.modules):
             return task, weak
     raise AssertionError("no suitable task")
@@ -137,10 +137,10 @@ def test_real_tiny_model_in_process_contexts_are_token_exact(tiny_model_dir: Pat
     from services.task.local_client import LocalModelClient
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    chat = [{"role": "system", "content": "task modules m1"}, {"role": "user", "content": "step _ - 2"},
+    chat = [{"role": "system", "content": "task modules m1"}, {"role": "user", "content": "step sub 2"},
             {"role": "assistant", "content": "2 -"}, {"role": "tool", "content": "m1 pass 2 / 2"}]
     text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    harness_ids = CODEC.encode("<|system|> task modules m1 <|user|> step _ - 2 <|assistant|> 2 - <eos> "
+    harness_ids = CODEC.encode("<|system|> task modules m1 <|user|> step sub 2 <|assistant|> 2 - <eos> "
                                "<|tool|> m1 pass 2 / 2 <|assistant|>")
     assert tok(text, add_special_tokens=False)["input_ids"] == harness_ids.tolist()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.task.scoring import score_workspace
-from services.task.spec import TaskParams, generate_task, step_code, task_from_id, task_ids
+from services.task.spec import TaskParams, step_code, task_from_id, task_ids
 
 
 def test_tasks_are_pure_functions_of_their_id() -> None:
@@ -28,13 +28,13 @@ def test_reference_solutions_pass_every_test_and_wrong_order_fails() -> None:
         files = {task.module_path(m.name): m.reference_code.encode() for m in task.modules}
         score = score_workspace(task, files)
         assert score.all_passed and score.reward == 1.0
-    # A `_ - c` step written as `c swap -` computes c - acc: the tests notice.
+    # A `sub c` step written as `c swap -` computes c - value: the tests notice.
     task = next(
         t for t in map(task_from_id, task_ids(200))
-        if any(s.startswith("_ - ") for s in t.modules[0].steps) and not t.modules[0].calls
+        if any(s.startswith("sub ") for s in t.modules[0].steps) and not t.modules[0].calls
     )
     m = task.modules[0]
-    wrong = " ".join(step_code(s).replace(" -", " swap -") if s.startswith("_ - ") else step_code(s) for s in m.steps)
+    wrong = " ".join(step_code(s).replace(" -", " swap -") if s.startswith("sub ") else step_code(s) for s in m.steps)
     files = {task.module_path(m.name): wrong.encode()}
     assert score_workspace(task, files).modules[0].passed < len(m.tests)
 
@@ -42,11 +42,13 @@ def test_reference_solutions_pass_every_test_and_wrong_order_fails() -> None:
 def test_step_code() -> None:
     assert step_code("x") == "x"
     assert step_code("m3 ( x )") == "x m3"
-    assert step_code("_ - 4") == "4 -"
-    assert step_code("4 - _") == "4 swap -"
-    assert step_code("4 * _") == "4 *"
-    with pytest.raises(ValueError):
-        step_code("_ / 4")
+    assert step_code("sub 4") == "4 -"
+    assert step_code("rsub 4") == "4 swap -"
+    assert step_code("mul 4") == "4 *"
+    assert step_code("add 4") == "4 +"
+    for bad in ("div 4", "sub", "sub x", "_ - 4"):
+        with pytest.raises(ValueError):
+            step_code(bad)
 
 
 def test_bad_ids_and_knobs_are_refused() -> None:
