@@ -25,7 +25,12 @@ in the held-out bucket, so no held-out problem is ever trained on.
 The harness (``run_arith_execution``) talks to the model through ``agent.ModelClient`` and builds
 the context with ``ChatContext`` (services.task.chat_context): the chat template is rendered, and
 the model's own output ids go verbatim into the next prompt, so its TITO records form one linear
-path per execution. ``evaluate`` runs many executions concurrently (greedy) and reports accuracy.
+path per execution. ``evaluate`` runs many executions concurrently (greedy) and reports accuracy
+(``python -m services.task.arith_eval --model NAME_OR_DIR`` does it with an in-process engine).
+
+Baseline, SmolLM2-135M-Instruct, default knobs (n3.v10), 100 held-out tasks, greedy: accuracy
+0.14, mean reward 0.46, per-turn accuracy 0.76 / 0.49 / 0.14. Sampled at temperature 1 (8 train
+tasks x 8): mean reward 0.19, 7 of 8 groups with non-zero reward variance (signal for GRPO).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ take seconds); generations are a few tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,3 +175,15 @@ def test_cache_dir_holds_the_converted_checkpoint() -> None:
     path = Path(DEFAULT_CACHE) / SMOLLM2
     assert (path / ".complete").exists() and (path / "model.safetensors").stat().st_size > 500_000_000
     assert "<|im_start|>" in (path / "chat_template.jinja").read_text()
+
+
+def test_arith_eval_cli_on_the_real_model(tmp_path: Path) -> None:
+    from services.task.arith_eval import main
+
+    out = tmp_path / "eval.json"
+    assert main(["--model", SMOLLM2, "--n", "2", "--turns", "1", "--concurrency", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tasks"] == 2 and report["params"] == "n1.v10" and 0.0 <= report["accuracy"] <= 1.0
+    assert [r["task_id"] for r in report["results"]] == arith.task_ids(2, split="heldout",
+                                                                         params=arith.ArithParams(turns=1))
+    assert all(r["status"] == "finished" and len(r["replies"]) == 1 for r in report["results"])
