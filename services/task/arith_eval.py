@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.models.source import resolve_model
     from services.rollout.torch_engine import TorchEngine
     from services.task.arith import ArithConfig, ArithParams, evaluate
-    from services.task.model_clients import EngineModelClient
+    from services.task.engine_client import EngineModelClient
 
     params = ArithParams(turns=args.turns, max_operand=args.max_operand)  # validates before the model loads
     torch.set_num_threads(args.torch_threads)

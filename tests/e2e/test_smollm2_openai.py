@@ -28,6 +28,7 @@ from protos.gyre.v1 import rollout_pb2_grpc
 from services.common.server import GyreServer, build_server
 from services.models.source import DEFAULT_CACHE, SMOLLM2
 from services.rollout.calls import CallMeta
+from services.rollout.client import GatewayClient
 from services.rollout.config import EngineConfig, GatewayConfig
 from services.rollout.engine import SamplingParams
 from services.rollout.host import EngineHost
@@ -36,7 +37,7 @@ from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
 from services.rollout.servicer import EngineServicer
 from services.rollout.tito import TitoForwarder
 from services.task import arith
-from services.task.model_clients import GatewayModelClient
+from services.task.harness import GatewayModelClient
 from services.trajectory.client import TrajectoryClient
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.main import build_trajectory
@@ -154,7 +155,8 @@ def test_tito_greedy_matches_hf_generate_and_trainer_logprobs(stack: Stack) -> N
 
 
 def test_arith_harness_over_tito_is_one_path_per_execution(stack: Stack) -> None:
-    client = GatewayModelClient(stack.gateway.address)
+    gateway = GatewayClient(stack.gateway.address)
+    client = GatewayModelClient(gateway)
     try:
         for seed, temperature in ((0, 0.0), (1, 1.0)):
             task = arith.task_from_id(f"arith-v1/train/{seed}/n3.v10")
@@ -168,7 +170,7 @@ def test_arith_harness_over_tito_is_one_path_per_execution(stack: Stack) -> None
             assert stats.num_calls == 3 and stats.paths == 1
             assert stats.trainable_tokens == res.output_tokens
     finally:
-        client.close()
+        gateway.close()
 
 
 def test_cache_dir_holds_the_converted_checkpoint() -> None:
