@@ -62,7 +62,12 @@ def run_service(name: str, config_cls: type[C], build: Callable[[C], Built],
         tmp.write_text(json.dumps({"port": server.port, "metrics_port": metrics_port, "pid": os.getpid()}))
         tmp.replace(port_path)
     serve(server, grace_s=cfg.grace_s, on_shutdown=on_shutdown)
-    return 0
+    # In-flight RPCs had grace_s and were then cancelled; a handler thread still blocked in a
+    # long-poll (a lease wait, a weights or attach wait) must not keep the process alive: the
+    # RPC thread pool's threads are joined at interpreter exit, so leave without waiting.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _take(args: list[str], flag: str) -> tuple[str | None, list[str]]:
