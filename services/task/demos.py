@@ -12,7 +12,10 @@ ceiling while sampling still finds correct programs often enough for group-relat
 to have signal.
 
 `training_sequences` turns one execution's calls into maximal token sequences (every call whose
-prompt + output is a prefix of a longer one is folded into it) with a mask of generated positions.
+prompt + output is a prefix of a longer one is folded into it) with a mask of generated positions;
+`step_snippets` cuts each call down to its last request and answer. The warm start trains on the
+snippets first: a tiny model learns to copy a step's constant within a few dozen steps on short
+sequences, but may sit on that plateau for hundreds of steps when it only sees long contexts.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from services.task.agent import AgentConfig, CallContext, Generation, Sampling, 
 from services.task.spec import TaskParams, TaskSpec, generate_task, step_code
 from services.task.tokenizer import Codec
 
-__all__ = ["DemoNoise", "Demonstrator", "DemoCall", "collect_demonstrations", "training_sequences", "sloppy_line"]
+__all__ = [
+    "DemoNoise",
+    "Demonstrator",
+    "DemoCall",
+    "Demonstrations",
+    "collect_demonstrations",
+    "training_sequences",
+    "step_snippets",
+    "sloppy_line",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +124,31 @@ def training_sequences(calls: list[DemoCall]) -> list[tuple[np.ndarray, np.ndarr
     return out
 
 
+def step_snippets(calls: list[DemoCall], user_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each code-line call cut down to its last user segment + output (``<|user|> step sub 3
+    <|assistant|> 3 - <eos>``): the short sequences of the warm start's first phase."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for c in calls:
+        if c.role == "summary":
+            continue  # a summary needs its whole context
+        starts = np.flatnonzero(c.prompt_ids == user_id)
+        if not len(starts):
+            continue
+        seq = np.concatenate([c.prompt_ids[starts[-1] :], c.output_ids])
+        mask = np.zeros(len(seq), dtype=bool)
+        mask[len(seq) - len(c.output_ids) :] = True
+        out.append((seq, mask))
+    return out
+
+
+@dataclass(frozen=True)
+class Demonstrations:
+    """Training data of the warm start: whole-context sequences and short step snippets."""
+
+    sequences: list[tuple[np.ndarray, np.ndarray]]
+    snippets: list[tuple[np.ndarray, np.ndarray]]
+
+
 def collect_demonstrations(
     *,
     num_tasks: int,
@@ -120,9 +157,11 @@ def collect_demonstrations(
     noise: DemoNoise,
     codec: Codec,
     seed: int = 0,
-) -> list[tuple[np.ndarray, np.ndarray]]:
+) -> Demonstrations:
     """Run the agent with the demonstrator on `num_tasks` train tasks (seeds from a separate range)."""
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
+    snippets: list[tuple[np.ndarray, np.ndarray]] = []
+    user_id = int(codec.encode("<|user|>")[0])
     # Demo tasks come from far up the train seed range so they do not repeat RL's first tasks.
     base = 10**9 + seed * num_tasks
     for k in range(num_tasks):
@@ -130,4 +169,5 @@ def collect_demonstrations(
         demo = Demonstrator(task, codec, noise)
         run_execution(task, demo, codec=codec, config=agent, execution_id=f"demo-{seed}-{k}", deadline_s=float("inf"))
         seqs.extend(training_sequences(demo.calls))
-    return seqs
+        snippets.extend(step_snippets(demo.calls, user_id))
+    return Demonstrations(seqs, snippets)

@@ -6,7 +6,8 @@ with ``from_pretrained``. It is built once, deterministically, and reused:
 
     1. tokenizer (services.task.tokenizer) and a Qwen3Config from `BuiltinModelSpec`, seeded init;
     2. demonstrations: the real agent loop driven by the sloppy demonstrator (services.task.demos);
-    3. a short supervised pass (loss on generated tokens only) — about a minute on one CPU thread;
+    3. a short supervised pass (loss on generated tokens only): step snippets first, then whole
+       contexts — one to two minutes on one CPU thread;
     4. save; a ``gyre_build.json`` stamp records the spec hash, so a changed spec rebuilds.
 
 Concurrent callers (several services starting at once) serialize on a file lock; the directory
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from services.task.agent import AgentConfig
-from services.task.demos import DemoNoise, collect_demonstrations
+from services.task.demos import DemoNoise, Demonstrations, collect_demonstrations
 from services.task.spec import TaskParams
 from services.task.tokenizer import Codec, save_hf_tokenizer
 
@@ -62,8 +63,10 @@ class BuiltinModelSpec:
     """Longest context the model is configured for, in tokens."""
     demo_tasks: int = 600
     """Train tasks the demonstrator solves for the warm start."""
-    sft_steps: int = 400
-    """Optimizer steps of the supervised pass."""
+    snippet_steps: int = 150
+    """First-phase optimizer steps on short step snippets (learns to copy constants fast)."""
+    sft_steps: int = 300
+    """Second-phase optimizer steps on whole demonstrated contexts."""
     batch_size: int = 32
     """Sequences per optimizer step."""
     lr: float = 3e-3
@@ -82,8 +85,9 @@ class BuiltinModelSpec:
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {self.hidden}/{self.heads}/{self.kv_heads}.")
-        if min(self.layers, self.demo_tasks, self.batch_size, self.threads) < 1 or self.sft_steps < 0:
-            raise ValueError("layers, demo_tasks, batch_size and threads must be >= 1 and sft_steps >= 0.")
+        if min(self.layers, self.demo_tasks, self.batch_size, self.threads) < 1 or min(self.sft_steps,
+                                                                                       self.snippet_steps) < 0:
+            raise ValueError("layers, demo_tasks, batch_size and threads must be >= 1, sft/snippet steps >= 0.")
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}.")
 
@@ -125,29 +129,36 @@ def _batches(lengths: np.ndarray, batch_size: int, steps: int, rng: np.random.Ge
     return out[:steps]
 
 
-def warm_start(model: Any, seqs: list[tuple[np.ndarray, np.ndarray]], spec: BuiltinModelSpec, *, pad_id: int) -> list[float]:
-    """The supervised pass: next-token loss on generated positions only; returns the loss curve."""
+def warm_start(model: Any, demos: Demonstrations, spec: BuiltinModelSpec, *, pad_id: int) -> list[float]:
+    """The supervised pass: next-token loss on generated positions only, first on step snippets
+    (batches twice as large, they are short), then on whole contexts; returns the loss curve."""
     import torch
 
     rng = np.random.default_rng(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, spec.sft_steps // 20)
+    total = spec.snippet_steps + spec.sft_steps
+    warmup = max(1, total // 20)
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return spec.lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, spec.sft_steps - warmup)
+        frac = (step - warmup) / max(1, total - warmup)
         return spec.lr * 0.5 * (1 + math.cos(math.pi * frac))
 
+    plan: list[tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]] = []
+    for data, steps, size in ((demos.snippets, spec.snippet_steps, 2 * spec.batch_size),
+                              (demos.sequences, spec.sft_steps, spec.batch_size)):
+        if steps and data:
+            plan += [(data, idx) for idx in _batches(np.asarray([len(s) for s, _ in data]), size, steps, rng)]
     losses: list[float] = []
     model.train()
-    for step, idx in enumerate(_batches(np.asarray([len(s) for s, _ in seqs]), spec.batch_size, spec.sft_steps, rng)):
-        width = max(len(seqs[i][0]) for i in idx)
+    for step, (data, idx) in enumerate(plan):
+        width = max(len(data[i][0]) for i in idx)
         ids = np.full((len(idx), width), pad_id, dtype=np.int64)
         mask = np.zeros((len(idx), width), dtype=bool)
         attn = np.zeros((len(idx), width), dtype=np.int64)
         for row, i in enumerate(idx):
-            s, m = seqs[i]
+            s, m = data[i]
             ids[row, : len(s)], mask[row, : len(s)], attn[row, : len(s)] = s, m, 1
         ids_t = torch.from_numpy(ids)
         logits = model(input_ids=ids_t, attention_mask=torch.from_numpy(attn)).logits
@@ -177,15 +188,16 @@ def _build(out_dir: Path, spec: BuiltinModelSpec) -> dict[str, Any]:
         codec = Codec()
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(builtin_config(spec, codec), attn_implementation="sdpa")
-        seqs = collect_demonstrations(
+        demos = collect_demonstrations(
             num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent, noise=spec.noise, codec=codec, seed=spec.seed
         )
-        losses = warm_start(model, seqs, spec, pad_id=codec.pad_id)
+        losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)
         save_hf_tokenizer(out_dir, model_max_length=spec.max_positions)
         return {
-            "demo_sequences": len(seqs),
-            "demo_tokens": int(sum(len(s) for s, _ in seqs)),
+            "demo_sequences": len(demos.sequences),
+            "demo_snippets": len(demos.snippets),
+            "demo_tokens": int(sum(len(s) for s, _ in demos.sequences)),
             "sft_loss_first": losses[0] if losses else None,
             "sft_loss_last": losses[-1] if losses else None,
             "build_s": round(time.monotonic() - t0, 1),

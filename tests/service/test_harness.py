@@ -40,7 +40,7 @@ class _NoActuator:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A short warm start: good enough to follow the format, bad enough to fail and retry often.
     return ensure_builtin_model(tmp_path_factory.mktemp("models"),
-                                spec=BuiltinModelSpec(demo_tasks=40, sft_steps=20, batch_size=16))
+                                spec=BuiltinModelSpec(demo_tasks=40, snippet_steps=20, sft_steps=20, batch_size=16))
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def _example() -> ModuleType:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_builtin_model(tmp_path_factory.mktemp("models"),
-                                spec=BuiltinModelSpec(demo_tasks=40, sft_steps=20, batch_size=16))
+                                spec=BuiltinModelSpec(demo_tasks=40, snippet_steps=20, sft_steps=20, batch_size=16))
 
 
 @pytest.fixture

@@ -124,7 +124,7 @@ def test_timeout_ends_the_execution_and_keeps_its_workspace() -> None:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.task.model import BuiltinModelSpec, ensure_builtin_model
 
-    spec = BuiltinModelSpec(demo_tasks=40, sft_steps=20, batch_size=16)
+    spec = BuiltinModelSpec(demo_tasks=40, snippet_steps=20, sft_steps=20, batch_size=16)
     cache = tmp_path_factory.mktemp("models")
     path = ensure_builtin_model(cache, spec=spec)
     assert ensure_builtin_model(cache, spec=spec) == path  # built once, then reused
