@@ -110,10 +110,10 @@ LONG_POLLS: dict[str, tuple[str, Any]] = {
     "services.scheduler.main": ("/gyre.v1.Worker/LeaseExecution",
                                 scheduler_pb2.LeaseExecutionRequest(worker_id="w", job_id="", wait_s=60)),
 }
-# Found by this test (strict, so a fix fails the mark and gets it removed). One cause: server.stop()
-# returns, but the handler thread stays blocked in its wait and the interpreter joins the RPC
-# threads at exit, so the process lives until the wait ends (systemd/compose then SIGKILL it).
-HANGS_ON_SIGTERM: dict[str, str] = {}  # every service exits within its grace period (run_service)
+# Services known to hang on SIGTERM with a long-poll in flight, as strict xfails (a fix fails the
+# mark, so it gets removed). Empty: run_service leaves without joining RPC threads still blocked in
+# a wait, which this test caught for trainer, engine and scheduler.
+HANGS_ON_SIGTERM: dict[str, str] = {}
 
 
 def _hold(address: str, path: str, request: Any) -> None:
