@@ -39,7 +39,7 @@ def run_service(name: str, config_cls: type[C], build: Callable[[C], Built],
     path, rest = _take(args, "--config")
     port_path, rest = _take(rest, "--port-file")
     try:
-        cfg = load_config(config_cls, path=path, section=name, env_prefix=f"GYRE_{name.upper()}_", argv=rest)
+        cfg = load_config(config_cls, path=path, section=name, env_prefix=f"GYRE_{name.upper().replace('-', '_')}_", argv=rest)
     except ValueError as exc:
         print(f"gyre-{name}: {exc}", file=sys.stderr)
         return 2
@@ -93,7 +93,7 @@ def _take(args: list[str], flag: str) -> tuple[str | None, list[str]]:
 
 def usage(name: str, config_cls: type[Any]) -> str:
     lines = [f"usage: gyre-{name} [--config FILE.toml] [--port-file F] [--<field> VALUE ...]", "",
-             f"Fields (TOML section [{name}], env GYRE_{name.upper()}_<FIELD>, or flags):"]
+             f"Fields (TOML section [{name}], env GYRE_{name.upper().replace('-', '_')}_<FIELD>, or flags):"]
     for fname, tname, default, doc in fields_doc(config_cls):
         lines.append(f"  --{fname.replace('_', '-'):<24} {tname:<10} default {default!r}: {doc}")
     return "\n".join(lines)

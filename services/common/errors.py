@@ -52,6 +52,12 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
     """The status code a domain exception maps to, or None for an unexpected (internal) error."""
     if isinstance(exc, GyreError):
         return exc.code
-    if isinstance(exc, ValueError):
+    if isinstance(exc, (ValueError, OverflowError)):  # OverflowError: a number too large (e.g. a wait)
         return grpc.StatusCode.INVALID_ARGUMENT
+    # Redis unreachable (restarting): retryable by the caller, not an internal error.
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return grpc.StatusCode.UNAVAILABLE
     return None

@@ -225,7 +225,7 @@ def wait_for_ready(address: str, *, timeout_s: float = 30.0, service: str = "") 
     """Block until ``address`` answers health SERVING for ``service``; raise TimeoutError otherwise."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    with grpc.insecure_channel(address) as channel:
+    with security.open_channel(address) as channel:  # TLS when this process is configured for it
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -77,6 +77,10 @@ class TrainerJob:
             raise ValueError(f"kl_reference must be 'behaviour' or 'initial', got {self.kl_reference!r}")
         if self.attention not in ("auto", "sdpa", "flex"):
             raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.checkpoint_every < 1 or self.checkpoint_keep < 1:
