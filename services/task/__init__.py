@@ -9,5 +9,7 @@
     demos.py        scripted demonstrations for the warm start
     model.py        the tiny policy: config, supervised warm start, ensure_builtin_model()
     local_client.py an in-process ModelClient (evaluation, tests)
-    harness.py      the harness process: scheduler lease -> gateway calls -> reward
+    evaluate.py     held-out pass rate of a policy through any ModelClient (greedy by default)
+    harness.py      the harness process (gyre-harness): scheduler lease -> gateway calls -> reward
+    config.py       HarnessConfig (TOML [harness], GYRE_HARNESS_*, --flags)
 """

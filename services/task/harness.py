@@ -26,63 +26,21 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from services.common import errors
-from services.common.config import check, load_config, setting
+from services.common.config import load_config
 from services.common.logging import get_logger, setup_logging
-from services.task.agent import AgentConfig, CallContext, Generation, Sampling, run_execution
+from services.task.agent import CallContext, Generation, Sampling, run_execution
+from services.task.config import HarnessConfig
 from services.task.spec import task_from_id
 from services.task.tokenizer import Codec
 
 log = get_logger(__name__)
 
 __all__ = ["HarnessConfig", "GatewayModelClient", "Harness", "main"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class HarnessConfig:
-    """The built-in harness process."""
-
-    scheduler: str = setting("127.0.0.1:50050", "host:port of the scheduler's worker API.")
-    gateway: str = setting("127.0.0.1:50052", "host:port of the rollout gateway (TITO gRPC).")
-    reward: str = setting("127.0.0.1:50053", "host:port of the reward service.")
-    concurrency: int = setting(4, "Executions run at once (one thread each).")
-    job_id: str = setting("", "Lease only this job's executions; empty = any job.")
-    worker_id: str = setting("", "Name shown in the scheduler; empty = host-pid.")
-    model_dir: str = setting("", "Tokenizer directory of the served model; empty = the built-in tokenizer.")
-    lease_wait_s: float = setting(5.0, "Long-poll wait for work, seconds.")
-    call_timeout_s: float = setting(300.0, "Longest one model call may take, seconds.")
-    call_retries: int = setting(3, "Retries of a model call the gateway answered UNAVAILABLE.")
-    max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
-    context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
-    fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
-    retries: int = setting(1, "Fresh branches from the pre-attempt context after failed fixes.")
-    delegate_every: int = setting(3, "Every n-th module goes to a sub-agent (0 = never).")
-    temperature: float = setting(1.0, "Sampling temperature (0 = greedy, for evaluation).")
-    timeout_s: float = setting(3600.0, "Own cap on one execution, seconds (the lease deadline also applies).")
-    log_json: bool = setting(True, "Log one JSON object per line.")
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR.")
-
-    def __post_init__(self) -> None:
-        check(1 <= self.concurrency <= 1024, "concurrency", self.concurrency, "between 1 and 1024")
-        check(self.lease_wait_s >= 0, "lease_wait_s", self.lease_wait_s, ">= 0 seconds")
-        check(self.call_timeout_s > 0, "call_timeout_s", self.call_timeout_s, "> 0 seconds")
-        check(self.call_retries >= 0, "call_retries", self.call_retries, ">= 0")
-        check(self.max_executions >= 0, "max_executions", self.max_executions, ">= 0")
-        for name in ("scheduler", "gateway", "reward"):
-            value = getattr(self, name)
-            check(":" in value, name, value, "host:port")
-        self.agent  # validates the agent knobs
-
-    @property
-    def agent(self) -> AgentConfig:
-        return AgentConfig(context_limit_tokens=self.context_limit_tokens, fix_turns=self.fix_turns,
-                           retries=self.retries, delegate_every=self.delegate_every,
-                           temperature=self.temperature, timeout_s=self.timeout_s)
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

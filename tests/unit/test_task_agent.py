@@ -168,3 +168,40 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len(a, a[:2]) == 2
     assert common_prefix_len(a, np.array([1, 9], dtype=np.int32)) == 1
     assert common_prefix_len(a, np.array([], dtype=np.int32)) == 0
+
+
+def test_evaluate_grades_held_out_tasks_through_a_model_client() -> None:
+    from services.task.evaluate import evaluate
+    from services.task.spec import task_ids
+
+    ids = task_ids(6, split="heldout")
+
+    class Faithful:
+        """Answers every call like the demonstrator without its habit (all code right)."""
+
+        def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
+                     timeout_s: float) -> Generation:
+            tid = context.execution_id.split("/", 2)[2]
+            return Demonstrator(generate_task_from(tid), CODEC, DemoNoise(minus_swap_pct=None,
+                                fix_minus_swap_pct=None)).generate(context, prompt_ids, sampling, timeout_s=timeout_s)
+
+    report = evaluate(Faithful(), ids, codec=CODEC, concurrency=3, tag="v0")
+    assert report.pass_rate == 1.0 and report.mean_reward == 1.0 and report.timeouts == 0
+    habit = evaluate(_Habit(), ids, codec=CODEC, concurrency=1)
+    assert habit.pass_rate < 1.0 and len(habit.passed) == 6
+
+
+def generate_task_from(task_id: str) -> TaskSpec:
+    from services.task.spec import task_from_id
+
+    return task_from_id(task_id)
+
+
+class _Habit:
+    """Always writes `sub c` as `c swap -` (the warm start's habit at 100%)."""
+
+    def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
+                 timeout_s: float) -> Generation:
+        task = generate_task_from(context.execution_id.split("/", 2)[2])
+        demo = Demonstrator(task, CODEC, DemoNoise(minus_swap_pct=100, fix_minus_swap_pct=100))
+        return demo.generate(context, prompt_ids, sampling, timeout_s=timeout_s)
