@@ -10,7 +10,8 @@ Each of N worker threads loops:
         │  model calls ──> rollout gateway (TITO gRPC; prompts delta-encoded against the
         │                  agent's previous call, the gateway records every call)
         │  after each module ──> reward.SubmitWorkspace (the workspace is preserved as it grows)
-        └─ end ──> reward.SubmitWorkspace + Score(status) ──> scheduler.CompleteExecution(status)
+        └─ end ──> reward.SubmitWorkspace + Score(status, the job's timeout policy)
+                   ──> scheduler.CompleteExecution(status)
 
 It is the same path an external harness takes: nothing here knows about cells, migrations or
 training. A model-call failure that survives the retries ends the execution as `failed`.
@@ -119,6 +120,7 @@ class Harness:
         self.model = GatewayModelClient(gateway, retries=cfg.call_retries)
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:x}"
         self.stopping = threading.Event()
+        self._policies: dict[str, str] = {}
         self.done = 0
         self._done_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -152,6 +154,18 @@ class Harness:
                 self.done += 1
                 if self.cfg.max_executions and self.done >= self.cfg.max_executions:
                     self.stopping.set()
+
+    def _timeout_policy(self, job_id: str) -> str:
+        """The job's timeout policy (from its spec, once per job); "" lets reward use its default."""
+        if job_id not in self._policies:
+            try:
+                policy = self.scheduler.get_job(job_id).spec.timeout_policy
+                self._policies[job_id] = str(getattr(policy, "value", policy) or "")
+            except errors.GyreError as exc:
+                log.warning("job spec unavailable; reward applies its default timeout policy", job_id=job_id,
+                            error=str(exc))
+                return ""
+        return self._policies[job_id]
 
     def _heartbeat(self, lease: Any, cancelled: threading.Event, ended: threading.Event) -> None:
         every = max(0.5, lease.lease_ttl_s / 3)
@@ -199,7 +213,8 @@ class Harness:
         try:
             if files:
                 self.reward.submit_workspace(lease.job_id, eid, files, task_id=task_id)
-            self.reward.score(lease.job_id, eid, status, group_id=lease.group_id, step=lease.step, task_id=task_id)
+            self.reward.score(lease.job_id, eid, status, timeout_policy=self._timeout_policy(lease.job_id),
+                              group_id=lease.group_id, step=lease.step, task_id=task_id)
         except errors.FailedPrecondition:
             pass  # already scored (a re-leased attempt of an execution that another attempt finished)
         except errors.GyreError as exc:

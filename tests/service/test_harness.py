@@ -17,7 +17,7 @@ import torch
 from services.reward.client import RewardClient
 from services.reward.config import RewardConfig
 from services.reward.main import build_reward
-from services.scheduler.jobs import ExecState, Mode, TaskSource
+from services.scheduler.jobs import ExecState, Mode, TaskSource, TimeoutPolicy
 from services.scheduler.orchestrator import Orchestrator
 from services.task.config import HarnessConfig
 from services.task.harness import Harness, common_prefix_len
@@ -70,6 +70,7 @@ def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
 def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: dict, model_dir: Path) -> None:
     sched, gw = stack["scheduler"], stack["gateway"]
     spec = job_spec("hj", model=str(model_dir), num_steps=1, groups_per_step=2, group_size=2, mode=Mode.COLOCATE,
+                    timeout_policy=TimeoutPolicy.ZERO,
                     tasks=TaskSource(generator="xlong-v1", params=(("num_modules", "4"), ("min_ops", "2"))))
     sched.client.submit_job(spec)
     # The orchestrator enqueues the step's executions (no cells are registered: no switches).
@@ -104,6 +105,7 @@ def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: di
         assert sched.client.get_execution(eid).state in (ExecState.FINISHED, ExecState.TIMEOUT)
         score = reward.get_score(eid)
         assert score.state == "ok" and score.tests_total == 16 and score.outcome_reported
+        assert score.timeout_policy == "zero"  # the job's policy, read from its spec
         assert score.reward is not None and 0.0 <= score.reward <= 1.0
     assert summaries >= 4, "context limit 96 forces at least one compaction per execution"
     assert subagent_calls > 0
