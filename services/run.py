@@ -297,6 +297,13 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
         state = _follow(cfg, scheduler, trainer, trajectory, watcher, job_id, t0, evaluate, echo)
         last_step = max(watcher.step_done, default=-1) + 1
         if not evals or evals[-1]["step"] != last_step:
+            # The job is over: elastic may have left every cell training. Make the engines routable
+            # again (the gateway remembers their addresses) so the final evaluation can run.
+            for i in range(cfg.engines):
+                try:
+                    evaluator.gateway.register_engine(f"cell-{i + 1}", "")
+                except Exception:  # deliberate: already registered (AlreadyExists) is fine
+                    pass
             evaluate(last_step)
         steps = _step_rows(trajectory, trainer, watcher, job_id)
         roles = watcher.close()
