@@ -16,6 +16,7 @@ import resource
 import struct
 import sys
 import traceback
+from typing import Any
 
 _HEADER = struct.Struct("<I")
 
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> int:
             spec_d, inp_d = pickle.loads(_read_exact(stdin, size))
         except EOFError:
             return 0
+        reply: dict[str, Any]
         try:
             out = run_local(ScorerSpec(**spec_d), ScoreInput(**inp_d))
             reply = {"output": out.to_json()}

@@ -122,6 +122,13 @@ class ScoreRecord:
         return cls(**json.loads(raw))
 
 
+def _text(value: bytes | str | None) -> str:
+    """A Redis value as text (clients may or may not decode responses)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _check_id(name: str, value: str, *, required: bool = True) -> None:
     if required and not value:
         raise InvalidArgument(f"{name} is required")
@@ -177,10 +184,10 @@ class RewardService:
         return JobPolicy(scorer, timeout_policy)
 
     def job_policy(self, job_id: str) -> JobPolicy:
-        raw = self.r.hgetall(self.keys.key("job", job_id)) if job_id else {}
+        raw = {_text(k): _text(v) for k, v in self.r.hgetall(self.keys.key("job", job_id)).items()} if job_id else {}
         if not raw:
             return JobPolicy(self.default_scorer, "")
-        return JobPolicy(ScorerSpec(**json.loads(raw[b"scorer"])), raw.get(b"timeout_policy", b"").decode())
+        return JobPolicy(ScorerSpec(**json.loads(raw["scorer"])), raw.get("timeout_policy", ""))
 
     # ---- workspaces -------------------------------------------------------------------------
     def _blob_key(self, execution_id: str) -> str:
@@ -217,12 +224,12 @@ class RewardService:
         WORKSPACE_BYTES.observe(total)
         return WorkspaceRef(key, len(blob), sha, len(checked), total, version)
 
-    def _load_workspace(self, execution_id: str) -> tuple[dict[str, bytes], dict[bytes, bytes]]:
-        meta = self.r.hgetall(self.keys.key("ws", execution_id))
+    def _load_workspace(self, execution_id: str) -> tuple[dict[str, bytes], dict[str, str]]:
+        meta = {_text(k): _text(v) for k, v in self.r.hgetall(self.keys.key("ws", execution_id)).items()}
         if not meta:
             return {}, {}
-        blob = self.blobs.get(meta[b"blob_key"].decode())
-        if hashlib.sha256(blob).hexdigest() != meta[b"sha256"].decode():
+        blob = self.blobs.get(meta["blob_key"])
+        if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
             raise FailedPrecondition(f"workspace of {execution_id!r} does not match its recorded sha256")
         return workspace.unpack(blob, self.limits), meta
 
@@ -274,7 +281,9 @@ class RewardService:
             record = self._score_new(job_id, execution_id, status, timeout_policy, group_id, step, task_id)
             # NX: another reward process may have scored it meanwhile; its record wins.
             if not self.r.set(key, record.to_json(), nx=True, ex=self.retention_s):
-                return ScoreRecord.from_json(self.r.get(key) or b"{}"), True
+                stored = self.r.get(key)
+                if stored is not None:
+                    return ScoreRecord.from_json(stored), True
             self._report(record)
             return record, False
 
@@ -286,7 +295,7 @@ class RewardService:
         policy = job.timeout_policy or req_policy or self.default_timeout_policy
         blog = log.bind(job_id=job_id, execution_id=execution_id)
         files, meta = self._load_workspace(execution_id)
-        task_id = (meta.get(b"task_id", b"").decode() if meta else "") or task_id
+        task_id = meta.get("task_id", "") or task_id
         record = ScoreRecord(
             job_id=job_id, execution_id=execution_id, group_id=group_id, step=step, status=status, state="ok",
             reward=None, excluded=False, raw_score=None, timeout_policy=policy, scorer=job.scorer.name,
