@@ -194,7 +194,7 @@ class _Watcher:
         with self.lock:
             if ev.kind == "switch_finished":
                 self.switches.append({"cell_id": a.get("cell_id"), "from": a.get("from"), "to": a.get("to"),
-                                      "duration_s": float(a.get("duration_s", 0) or 0),
+                                      "duration_s": float(a.get("duration_ms", 0) or 0) / 1000.0,
                                       "at_s": ev.ts_s - self.t0, "migrated": a.get("migrated", "")})
             elif ev.kind == "step_trained":
                 self.step_done[ev.attr_int("step")] = ev.ts_s - self.t0

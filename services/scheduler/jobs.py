@@ -74,7 +74,7 @@ class EventKind(str, Enum):
     TRAINING_STARTED = "training_started"  # attrs: step
     STEP_TRAINED = "step_trained"  # update published; attrs: step, weight_version
     SWITCH_STARTED = "switch_started"  # attrs: cell_id, from, to, switch_id, reason
-    SWITCH_FINISHED = "switch_finished"  # attrs: cell_id, from, to, switch_id, duration_s
+    SWITCH_FINISHED = "switch_finished"  # attrs: cell_id, from, to, switch_id, duration_ms, outcome, error
     SWITCH_ROLLED_BACK = "switch_rolled_back"  # attrs: cell_id, from, to, switch_id, duration_s, error
     METRICS = "metrics"  # periodic snapshot: queued, running, done_in_step, rollout_cells, train_cells
 

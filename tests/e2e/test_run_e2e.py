@@ -38,6 +38,7 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     for row in result.steps:
         assert row["tree_tokens"] > 0 and row["naive_tokens"] >= row["tree_tokens"]
     assert any(s["from"] == "rollout" and s["to"] == "train" for s in result.switches), result.switches
+    assert all(s["duration_s"] > 0 for s in result.switches), result.switches
     assert sum(result.migrations.values()) >= 1, result.migrations
     assert long_calls.completed >= 1 and long_calls.failed == 0
     assert len(result.evals) >= 2 and all(0.0 <= e["heldout_pass_rate"] <= 1.0 for e in result.evals)
