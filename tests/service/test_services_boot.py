@@ -46,10 +46,6 @@ EXPECTED = {
 }
 # Extra flags on top of the launcher's: an engine that boots without building a model.
 EXTRA = {"services.rollout.engine_main": ["--model", "random-tiny", "--max-batch-size", "4", "--max-workers", "16"]}
-# Started once these serve (like the launcher's order): the gateway asks engines given as bare
-# host:port for their cell id; cell agents register with the scheduler.
-AFTER = {"services.rollout.gateway_main": "services.rollout.engine_main",
-         "services.scheduler.agent_main": "services.scheduler.main"}
 
 
 def specs() -> list[ServiceSpec]:
@@ -62,29 +58,28 @@ def specs() -> list[ServiceSpec]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, _session_redis) -> Iterator[dict[str, ServiceProcess]]:  # noqa: ANN001
     work = tmp_path_factory.mktemp("boot")
-    ports = {s.name: free_port() for s in specs()}
-    addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    addresses: dict[str, str] = {}
     procs: dict[str, ServiceProcess] = {}
     try:
-        def start(spec: ServiceSpec) -> None:
-            args = launcher_args(spec, config=CONFIG, redis_url=_session_redis.url, spool_dir=work / "spool",
-                                 addresses=addresses)
-            procs[spec.name] = ServiceProcess.start(
-                spec.name, spec.module, work, [*args, "--grace-s", str(GRACE_S), "--metrics-port", "-1",
-                                               *EXTRA.get(spec.module, [])], port=ports[spec.name])
-
-        waves = [[s for s in specs() if s.module not in AFTER],
-                 [s for s in specs() if s.module == "services.rollout.gateway_main"],
-                 [s for s in specs() if s.module == "services.scheduler.agent_main"]]
-        for wave in waves:  # each wave starts at once, when what it needs serves
+        # Every process binds port 0 and reports its port (no pick-then-bind race). Waves: each
+        # wave starts at once every service whose peers' addresses are known, then waits for it.
+        pending = list(specs())
+        while pending:
+            wave = []
+            for spec in pending:
+                try:
+                    args = launcher_args(spec, config=CONFIG, redis_url=_session_redis.url,
+                                         spool_dir=work / "spool", addresses=addresses)
+                except KeyError:  # a peer is not up yet
+                    continue
+                wave.append(spec)
+                procs[spec.name] = ServiceProcess.start(
+                    spec.name, spec.module, work, [*args, "--grace-s", str(GRACE_S), "--metrics-port", "-1",
+                                                   *EXTRA.get(spec.module, [])], port=0)
+            assert wave, f"no service can start; waiting on {[s.name for s in pending]}"
             for spec in wave:
-                needs = AFTER.get(spec.module)
-                for p in procs.values():
-                    if p.module == needs:
-                        p.wait_ready(timeout_s=180)
-                start(spec)
-        for p in procs.values():
-            p.wait_ready(timeout_s=180)
+                addresses[spec.name] = procs[spec.name].wait_ready(timeout_s=180).address
+            pending = [s for s in pending if s not in wave]
         yield procs
     finally:
         stop_all(list(procs.values()))
