@@ -61,3 +61,24 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         return grpc.StatusCode.UNAVAILABLE
     return None
+
+
+_BY_CODE: dict[grpc.StatusCode, type[GyreError]] = {
+    cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted,
+                              Unavailable, Aborted, DeadlineExceeded)
+}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> GyreError:
+    """The domain error a typed client raises for a failed call (the inverse of ``status_for``).
+
+    INTERNAL and codes without a domain class become a plain ``GyreError`` carrying the code.
+    """
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else "") or code.name
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        err = GyreError(f"{code.name}: {details}")
+        err.code = code
+        return err
+    return cls(details)

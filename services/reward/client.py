@@ -32,29 +32,13 @@ from services.reward.servicer import (
     scorer_to_proto,
 )
 
-_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.ABORTED: errors.Aborted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-}
 _STATES = {reward_pb2.SCORE_STATE_OK: "ok", reward_pb2.SCORE_STATE_SCORER_ERROR: "scorer_error",
            reward_pb2.SCORE_STATE_SCORER_TIMEOUT: "scorer_timeout"}
 
 
 def domain_error(exc: grpc.RpcError) -> errors.GyreError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or code.name
-    cls = _CODES.get(code)
-    if cls is None:
-        err = errors.GyreError(f"{code.name}: {details}")
-        err.code = code
-        return err
-    return cls(details)
+    """The domain error for a failed call (see ``services.common.errors.from_rpc_error``)."""
+    return errors.from_rpc_error(exc)
 
 
 @dataclass(frozen=True)

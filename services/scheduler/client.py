@@ -40,29 +40,12 @@ from services.scheduler.state import CompleteResult
 
 pb = scheduler_pb2
 
-_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.ABORTED: errors.Aborted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-}
 _PHASES = {"started": pb.TRAINING_PHASE_STARTED, "published": pb.TRAINING_PHASE_PUBLISHED}
 
 
 def domain_error(exc: grpc.RpcError) -> errors.GyreError:
-    """The domain error for a failed call (INTERNAL and unknown codes: a plain ``GyreError``)."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or code.name
-    cls = _CODES.get(code)
-    if cls is None:
-        err = errors.GyreError(f"{code.name}: {details}")
-        err.code = code
-        return err
-    return cls(details)
+    """The domain error for a failed call (see ``services.common.errors.from_rpc_error``)."""
+    return errors.from_rpc_error(exc)
 
 
 class _Base:

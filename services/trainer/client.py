@@ -25,22 +25,11 @@ from services.trainer.elastic import JoinTicket, Seal
 from services.trainer.job import TrainerJob
 from services.trainer.weights import assemble
 
-_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
-    cls.code: cls for cls in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists,
-                              errors.FailedPrecondition, errors.ResourceExhausted, errors.Unavailable,
-                              errors.Aborted, errors.DeadlineExceeded)
-}
 
 
 def domain_error(exc: grpc.RpcError) -> errors.GyreError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or str(code)
-    cls = _CODES.get(code)
-    if cls is None:
-        err = errors.GyreError(f"{code.name}: {details}")
-        err.code = code
-        return err
-    return cls(details)
+    """The domain error for a failed call (see ``services.common.errors.from_rpc_error``)."""
+    return errors.from_rpc_error(exc)
 
 
 class TrainerClient:
