@@ -33,7 +33,7 @@ from tests.support.service_process import ServiceProcess, stop_all
 JOB = "job-kill"
 SESSIONS = 8
 CALLS_PER_SESSION = 2
-NEW_TOKENS = 160
+NEW_TOKENS = 800  # long enough that the kill lands mid-stream on an idle machine too
 ENGINE_ARGS = ["--model", "random-tiny", "--device", "cpu", "--torch-threads", "1", "--max-batch-size", "16",
                "--max-workers", "64", "--kv-transports", "tcp", "--grace-s", "1"]
 

@@ -49,7 +49,7 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
 
 
 class _LongCalls:
-    """Two long greedy generations kept in flight through the gateway once it is up."""
+    """Four long greedy generations kept in flight through the gateway once it is up."""
 
     def __init__(self) -> None:
         self.stopping = threading.Event()
@@ -64,7 +64,7 @@ class _LongCalls:
         if not line.startswith("gateway ") or self.threads:
             return
         address = line.split()[1]
-        for agent in range(2):
+        for agent in range(4):  # spread over both engines: each drain finds a call in flight
             t = threading.Thread(target=self._loop, args=(address, agent), daemon=True)
             t.start()
             self.threads.append(t)
@@ -77,7 +77,7 @@ class _LongCalls:
 
         gateway = GatewayClient(address, timeout_s=120)
         prompt = np.arange(3, 40 + agent, dtype=np.int32)
-        params = SamplingParams(temperature=0.0, max_new_tokens=400)
+        params = SamplingParams(temperature=0.0, max_new_tokens=900)  # builtin-tiny context is 1024
         n = 0
         while not self.stopping.is_set():
             n += 1
@@ -96,7 +96,7 @@ class _LongCalls:
                 continue
             assert len(res.output_ids) == len(res.output_logprobs) >= 1
             self.completed += 1
-            time.sleep(0.05)
+            time.sleep(0.01)
         gateway.close()
 
     def stop(self) -> None:
