@@ -57,7 +57,9 @@ def test_cancel_and_caller_disconnect_end_the_request(engine: tuple[LocalEngine,
     assert client.cancel("to-cancel")
     rest = list(it)
     assert rest[-1].finished and rest[-1].finish_reason == "aborted"
-    stream = client.generate_stream("to-drop", CallMeta(), PROMPT, params)
+    # as long as the context allows, so the request is surely still running when we look
+    long = SamplingParams(temperature=0.0, max_new_tokens=1000 - len(PROMPT))
+    stream = client.generate_stream("to-drop", CallMeta(), PROMPT, long)
     next(iter(stream))
     assert "to-drop" in client.get_load().request_ids
     stream.cancel()  # the caller goes away: the engine stops generating for it
