@@ -17,6 +17,8 @@ from tests.support.rollout_cluster import LocalEngine, start_engine, varied_tiny
 torch.set_num_threads(1)
 PROMPT = np.random.default_rng(1).integers(0, 512, 32).astype(np.int32)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+LONG_CONTEXT = 16384
+LONG = SamplingParams(temperature=0.0, max_new_tokens=LONG_CONTEXT - len(PROMPT))
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +50,35 @@ def test_resume_continues_exactly_where_the_tokens_stop(engine: tuple[LocalEngin
         assert last.finish_reason == "length"
 
 
-def test_cancel_and_caller_disconnect_end_the_request(engine: tuple[LocalEngine, EngineClient]) -> None:
-    _, client = engine
-    params = SamplingParams(temperature=0.0, max_new_tokens=500)
-    stream = client.generate_stream("to-cancel", CallMeta(), PROMPT, params)
+@pytest.fixture(scope="module")
+def long_engine() -> Iterator[EngineClient]:
+    """An engine with a 16K context: generating it whole takes minutes, far longer than any stall
+    of a busy CI machine between a first token and the next look at the engine, so a request is
+    surely still running when cancelled or dropped, and its ending inside ``wait_idle``'s 10 s is
+    the cancel's doing, not the request running out."""
+    model = varied_tiny_model()
+    model.config.max_position_embeddings = LONG_CONTEXT
+    e = start_engine("cell-long", model=model, max_context=LONG_CONTEXT)
+    client = EngineClient(e.address)
+    yield client
+    client.close()
+    e.stop()
+
+
+def test_cancel_ends_the_request(long_engine: EngineClient) -> None:
+    client = long_engine
+    stream = client.generate_stream("to-cancel", CallMeta(), PROMPT, LONG)
     it = iter(stream)
     next(it)
     assert client.cancel("to-cancel")
     rest = list(it)
     assert rest[-1].finished and rest[-1].finish_reason == "aborted"
-    # as long as the context allows, so the request is surely still running when we look
-    long = SamplingParams(temperature=0.0, max_new_tokens=1000 - len(PROMPT))
-    stream = client.generate_stream("to-drop", CallMeta(), PROMPT, long)
+    wait_idle(client)
+
+
+def test_caller_disconnect_ends_the_request(long_engine: EngineClient) -> None:
+    client = long_engine
+    stream = client.generate_stream("to-drop", CallMeta(), PROMPT, LONG)
     next(iter(stream))
     assert "to-drop" in client.get_load().request_ids
     stream.cancel()  # the caller goes away: the engine stops generating for it

@@ -59,13 +59,14 @@ class LocalEngine:
 
 
 def start_engine(cell_id: str, *, model: torch.nn.Module | None = None, checkpoint: Path | None = None,
-                 kv_kinds: tuple[str, ...] = ("tcp",), max_batch_size: int = 16) -> LocalEngine:
+                 kv_kinds: tuple[str, ...] = ("tcp",), max_batch_size: int = 16,
+                 max_context: int = MAX_CONTEXT) -> LocalEngine:
     if checkpoint is not None:
-        engine = TorchEngine.from_pretrained(str(checkpoint), device="cpu", max_context=MAX_CONTEXT,
+        engine = TorchEngine.from_pretrained(str(checkpoint), device="cpu", max_context=max_context,
                                              max_batch_size=max_batch_size)
     else:
         engine = TorchEngine(model if model is not None else varied_tiny_model(), device="cpu",
-                             max_context=MAX_CONTEXT, max_batch_size=max_batch_size)
+                             max_context=max_context, max_batch_size=max_batch_size)
     host = EngineHost(engine, cell_id=cell_id, kv_kinds=kv_kinds)
     server = build_server(f"engine-{cell_id}", [(rollout_pb2_grpc.add_EngineServicer_to_server,
                                                  EngineServicer(host, attach_wait_s=20.0))],
