@@ -93,7 +93,7 @@ def default_specs(num_engines: int = 2, *, model: str = "builtin-tiny", job_id: 
                                     ",".join(a[e] for e in engines), "--tokenizer-path", model, *job]),
         ServiceSpec("scheduler", "services.scheduler.main", "scheduler",
                     deps=lambda a: ["--gateway-address", a["gateway"], "--trainer-address", a["trainer"],
-                                    "--actuator", "services"]),
+                                    "--reward-address", a["reward"], "--actuator", "services"]),
         ServiceSpec("cell-0", "services.scheduler.agent_main", "cell-agent",
                     deps=lambda a: ["--scheduler-address", a["scheduler"], "--cell-id", "cell-0",
                                     "--role", "train", "--is-core"]),

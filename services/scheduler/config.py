@@ -15,6 +15,8 @@ class SchedulerConfig(ServerConfig):
 
     gateway_address: str = setting("", "Rollout gateway (DrainEngine/RegisterEngine) for the 'services' actuator.")
     trainer_address: str = setting("", "Trainer (replica join/leave) for the 'services' actuator.")
+    reward_address: str = setting(
+        "", "Reward service: scores executions whose last lease expired (as timeouts, under the job's policy).")
     actuator: str = setting(
         "services",
         "How role switches are carried out: 'services' (gateway + trainer RPCs) or 'agent' (each cell's "

@@ -155,8 +155,9 @@ local done = finish_exec(KEYS[1], KEYS[5], KEYS[6], eid, ARGV[2], ARGV[3], ARGV[
 return {1, st, done}
 """
 
-# Re-queues (or fails, after max_attempts) executions whose lease expired.
-# KEYS: leases   ARGV: now, limit, exec_prefix, job_prefix, retention_ms, maxlen
+# Re-queues executions whose lease expired; after max_attempts ends them as timeouts and puts
+# them in the score outbox (execution_id -> {job_id, step, group_id}) for the reward service.
+# KEYS: leases, score_outbox   ARGV: now, limit, exec_prefix, job_prefix, retention_ms, maxlen
 # A job's queue/running/events keys are job_prefix .. job_id .. ':queue' etc. (see state.Keys).
 REAP = _PRELUDE + _FINISH_EXEC + r"""
 local now = tonumber(ARGV[1])
@@ -176,9 +177,13 @@ for _, eid in ipairs(expired) do
       if tonumber(ARGV[5]) > 0 then redis.call('PEXPIRE', ek, ARGV[5]) end
       out[#out + 1] = eid; out[#out + 1] = 'cancelled'
     elseif tonumber(attempt) >= tonumber(max_attempts) then
-      finish_exec(ek, jk, events, eid, 'failed', now, ARGV[5], ARGV[6],
-                  'lease expired ' .. attempt .. ' times', '')
-      out[#out + 1] = eid; out[#out + 1] = 'failed'
+      -- the last allowed attempt went silent: it ends as a timeout, and the reward service scores
+      -- it from its preserved workspace under the job's policy (the orchestrator drains the outbox)
+      local gid = redis.call('HGET', ek, 'group_id')
+      finish_exec(ek, jk, events, eid, 'timeout', now, ARGV[5], ARGV[6],
+                  'lease expired ' .. attempt .. ' times (last allowed attempt)', '')
+      redis.call('HSET', KEYS[2], eid, cjson.encode({job_id = job_id, step = tonumber(step), group_id = gid}))
+      out[#out + 1] = eid; out[#out + 1] = 'timeout'
     else
       redis.call('HSET', ek, 'state', 'queued')
       redis.call('ZADD', jk .. ':queue', tonumber(step), eid)

@@ -42,16 +42,33 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
     else:
         actuator = ServicesActuator(gateway_address=cfg.gateway_address, trainer_address=cfg.trainer_address,
                                     timeout_s=cfg.actuator_timeout_s)
+    reward = None
+    timeout_scorer = None
+    if cfg.reward_address:
+        from services.common.errors import Unavailable
+        from services.reward.client import RewardClient
+
+        reward = RewardClient(cfg.reward_address, timeout_s=cfg.actuator_timeout_s)
+
+        def timeout_scorer(*, job_id: str, execution_id: str, step: int, group_id: str, timeout_policy: str) -> None:
+            assert reward is not None
+            result = reward.score(job_id, execution_id, "timeout", timeout_policy=timeout_policy,
+                                  group_id=group_id, step=step)
+            if not result.outcome_reported:  # the next Score of it re-sends the outcome
+                raise Unavailable(f"execution {execution_id!r} scored but its outcome did not reach trajectory yet")
     orchestrator = Orchestrator(
         state, actuator, instance_id=cfg.instance_id or f"{socket.gethostname()}-{os.getpid()}",
         tick_interval_s=cfg.tick_interval_s, leader_ttl_s=cfg.leader_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s,
         switch_timeout_s=cfg.switch_timeout_s, switch_workers=cfg.switch_workers,
-        metrics_event_interval_s=cfg.metrics_event_interval_s, lease_ttl_s=cfg.lease_ttl_s).start()
+        metrics_event_interval_s=cfg.metrics_event_interval_s, lease_ttl_s=cfg.lease_ttl_s,
+        timeout_scorer=timeout_scorer).start()
     log.info("orchestrator started", actuator=cfg.actuator, instance_id=orchestrator.instance_id)
 
     def on_shutdown() -> None:
         orchestrator.stop(cfg.grace_s)
         actuator.close()
+        if reward is not None:
+            reward.close()
 
     return server, on_shutdown
 

@@ -4,7 +4,9 @@ One loop per scheduler deployment (the instance holding the ``leader`` lease in 
 
     every tick_interval_s:
       on taking the lead: extend every lease by a full TTL (holders could not heartbeat meanwhile)
-      reap expired leases -> re-queue (or fail after max_attempts)
+      reap expired leases -> re-queue, or after max_attempts end as timeout -> score outbox
+      score outbox -> reward service Score(timeout): scored from the preserved workspace under the
+        job's policy, outcome reported to trajectory; acknowledged only then (a crash re-sends it)
       for each active job (oldest first):
         pending: admit when no running job holds its cells; running: enqueue every step whose
         rollouts may start (policy.may_start: step - weight_version <= staleness bound)
@@ -53,8 +55,11 @@ DECISIONS = Counter("gyre_scheduler_decisions_total", "Policy decisions made (on
                     registry=REGISTRY)
 DECISION_SECONDS = Histogram("gyre_scheduler_decision_seconds", "Build view + decide for one job.",
                              registry=REGISTRY, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
-REQUEUES = Counter("gyre_scheduler_requeues_total", "Expired leases, by outcome (requeued, failed, cancelled).",
+REQUEUES = Counter("gyre_scheduler_requeues_total", "Expired leases, by outcome (requeued, timeout, cancelled).",
                    ["outcome"], registry=REGISTRY)
+TIMEOUT_SCORES = Counter("gyre_scheduler_timeout_scores_total",
+                         "Executions whose last lease expired, sent to the reward service, by outcome (ok, retry).",
+                         ["outcome"], registry=REGISTRY)
 
 
 class CellActuator(Protocol):
@@ -69,13 +74,24 @@ class CellActuator(Protocol):
                migrate_to: Sequence[CellRecord]) -> None: ...
 
 
+class TimeoutScorer(Protocol):
+    """Scores an execution that ended because its last lease expired (the reward service's Score
+    with status ``timeout``); idempotent per execution, raises when the score is not stored."""
+
+    def __call__(self, *, job_id: str, execution_id: str, step: int, group_id: str, timeout_policy: str) -> None: ...
+
+
 class Orchestrator:
     def __init__(self, state: SchedulerState, actuator: CellActuator, *, instance_id: str,
                  tick_interval_s: float = 0.5, leader_ttl_s: float = 10.0, cell_dead_after_s: float = 30.0,
                  switch_timeout_s: float = 600.0, switch_workers: int = 8,
-                 metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0) -> None:
+                 metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0,
+                 timeout_scorer: TimeoutScorer | None = None) -> None:
         self.state = state
         self.actuator = actuator
+        self.timeout_scorer = timeout_scorer
+        self._scoring: Future[None] | None = None
+        self._warned_no_scorer = False
         self.instance_id = instance_id
         self.tick_interval_s = tick_interval_s
         self.leader_ttl_s = leader_ttl_s
@@ -136,8 +152,11 @@ class Orchestrator:
             self._leading = True
             extended = self.state.grace_leases(self.lease_ttl_s)
             log.info("leading", instance_id=self.instance_id, leases_extended=extended)
-        for _eid, outcome in self.state.reap_expired():
+        for eid, outcome in self.state.reap_expired():
             REQUEUES.labels(outcome).inc()
+            if outcome == "timeout":
+                log.warning("last allowed lease expired; execution ends as a timeout", execution_id=eid)
+        self._score_timeouts()
         self.recover_switches()
         jobs: list[JobStatus] = []
         for job_id in self.state.active_job_ids():
@@ -159,6 +178,38 @@ class Orchestrator:
             except Exception:  # deliberate: one job's failure must not stall the others
                 log.exception("orchestrating job failed; retrying next tick", job_id=job.job_id)
         return True
+
+    def _score_timeouts(self) -> None:
+        """Send the score outbox to the reward service, off the tick (a scorer may take seconds)."""
+        if self._scoring is not None and not self._scoring.done():
+            return
+        pending = self.state.unscored_timeouts()
+        if not pending:
+            return
+        if self.timeout_scorer is None:
+            if not self._warned_no_scorer:
+                self._warned_no_scorer = True
+                log.warning("executions ended by an expired lease wait for a score, but no reward service is "
+                            "configured (--reward-address); they stay in the outbox", waiting=len(pending))
+            return
+        self._scoring = self._pool.submit(self._send_scores, self.timeout_scorer, pending)
+
+    def _send_scores(self, scorer: TimeoutScorer, pending: list[tuple[str, str, int, str]]) -> None:
+        for eid, job_id, step, group_id in pending:
+            blog = log.bind(execution_id=eid, job_id=job_id, step=step)
+            try:
+                policy = self.state.get_job(job_id).spec.timeout_policy.value
+            except GyreError:
+                policy = ""  # the job is gone: the reward service applies its own policy for it
+            try:
+                scorer(job_id=job_id, execution_id=eid, step=step, group_id=group_id, timeout_policy=policy)
+            except Exception as exc:  # deliberate: the reward service may be down; retried next tick
+                TIMEOUT_SCORES.labels("retry").inc()
+                blog.warning("scoring the timed-out execution failed; retrying", error=str(exc))
+                continue
+            self.state.ack_scored(eid)
+            TIMEOUT_SCORES.labels("ok").inc()
+            blog.info("timed-out execution scored", timeout_policy=policy)
 
     def _admit(self, job: JobStatus, running: list[tuple[str, ...] | None]) -> JobStatus | None:
         mine = set(job.spec.cell_ids)

@@ -18,6 +18,9 @@ Key layout (prefix ``gyre:sched:``)::
                                     lease_expires_ms, deadline_ms, worker_id, completion_token, ...
                                     (expires ``retention_s`` after it ends)
     leases                    ZSET  execution_id -> lease_expires_ms (all jobs; the reaper's index)
+    score_outbox              HASH  execution_id -> {job_id, step, group_id} JSON: executions whose
+                                    last lease expired, ended as timeouts, not yet scored by the
+                                    reward service (removed once it acknowledged the score)
     cells                     SET   cell ids
     cell:{cell}               HASH  address, host, role, is_core, kv_*, inflight, weight_version,
                                     heartbeat_ms, switch_{id,from,to,started_ms,job_id}, last_switch_*
@@ -33,6 +36,7 @@ old token is stale and refused. Completion is idempotent for the token that comp
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
@@ -68,6 +72,7 @@ class Keys:
         self.jobs = self._ns.key("jobs")
         self.active = self._ns.key("active")
         self.leases = self._ns.key("leases")
+        self.score_outbox = self._ns.key("score_outbox")
         self.cells = self._ns.key("cells")
         self.switches = self._ns.key("switches")
         self.switch_log = self._ns.key("switch_log")
@@ -351,11 +356,27 @@ class SchedulerState:
                 f"(the lease expired and the execution was leased again, or it already ended); state is {_s(res[1])}")
 
     def reap_expired(self, limit: int = 1000) -> list[tuple[str, str]]:
-        """Re-queue (or fail after max_attempts) expired leases; returns (execution_id, outcome)."""
+        """Re-queue expired leases, or end them as timeouts after max_attempts (into the score
+        outbox); returns (execution_id, outcome)."""
         k = self.keys
-        res = self._run("REAP", [k.leases], [self.now_ms(), limit, k.exec_prefix, k.job_prefix, self.retention_ms,
-                                              self.event_maxlen])
+        res = self._run("REAP", [k.leases, k.score_outbox], [self.now_ms(), limit, k.exec_prefix, k.job_prefix,
+                                                              self.retention_ms, self.event_maxlen])
         return [(_s(res[i]), _s(res[i + 1])) for i in range(0, len(res), 2)]
+
+    def unscored_timeouts(self, limit: int = 100) -> list[tuple[str, str, int, str]]:
+        """Executions whose last lease expired and that the reward service has not scored yet:
+        (execution_id, job_id, step, group_id), oldest-first order not guaranteed."""
+        out = []
+        for eid, raw in self.r.hscan_iter(self.keys.score_outbox, count=limit):
+            info = json.loads(raw)
+            out.append((_s(eid), str(info["job_id"]), int(info["step"]), str(info.get("group_id") or "")))
+            if len(out) >= limit:
+                break
+        return out
+
+    def ack_scored(self, execution_id_: str) -> None:
+        """The reward service holds the score of ``execution_id_``: drop it from the outbox."""
+        self.r.hdel(self.keys.score_outbox, execution_id_)
 
     def grace_leases(self, ttl_s: float) -> int:
         """Extend every lease to expire no sooner than ``ttl_s`` from now (after a leader change)."""

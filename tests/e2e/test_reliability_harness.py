@@ -3,8 +3,9 @@
 - attempts left: its lease expires, the execution is re-queued (attempt 2) and done once by
   another harness; the dead harness's token is fenced off; reward scores it once and its outcome
   reaches trajectory once.
-- last attempt: the execution must still end -- scored from its preserved workspace under the
-  job's timeout policy (partial) and reported to trajectory -- or its step would never complete.
+- last attempt: the execution ends as a timeout; the scheduler has the reward service score it
+  from its preserved workspace under the job's timeout policy (partial), which reports its
+  outcome to trajectory, so its step completes.
 
     scheduler, reward, trajectory: real processes on one Redis
     vanishing harness (process): lease -> submit workspace (1/4 parts) -> heartbeat ... SIGKILL
@@ -41,12 +42,13 @@ def stack(tmp_path: Path, redis_url: str) -> Iterator[dict[str, ServiceProcess]]
     procs: dict[str, ServiceProcess] = {}
     try:
         procs["trajectory"] = ServiceProcess.start("trajectory", "services.trajectory.main", tmp_path, common)
-        procs["scheduler"] = ServiceProcess.start("scheduler", "services.scheduler.main", tmp_path, [
-            *common, "--actuator", "agent", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",
-            "--lease-ttl-s", str(LEASE_TTL_S)])
         procs["trajectory"].wait_ready(timeout_s=60)
         procs["reward"] = ServiceProcess.start("reward", "services.reward.main", tmp_path, [
             *common, "--trajectory-address", procs["trajectory"].address, "--scorer-workers", "1"])
+        procs["reward"].wait_ready(timeout_s=60)
+        procs["scheduler"] = ServiceProcess.start("scheduler", "services.scheduler.main", tmp_path, [
+            *common, "--actuator", "agent", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",
+            "--lease-ttl-s", str(LEASE_TTL_S), "--reward-address", procs["reward"].address])
         for p in procs.values():
             p.wait_ready(timeout_s=60)
         yield procs
@@ -114,10 +116,6 @@ def test_vanished_harness_execution_is_requeued_and_done_once(stack: dict[str, S
         assert plan.num_completed == 2 and plan.sealed
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: when the last allowed lease expires the scheduler marks the execution failed, but "
-    "nobody scores it (reward) or reports its outcome (trajectory), so its step never completes; "
-    "score it as a timeout from its preserved workspace under the job's policy, then drop this mark"))
 def test_vanished_harness_on_its_last_attempt_is_scored_partially(stack: dict[str, ServiceProcess],
                                                                   tmp_path: Path) -> None:
     _prepare(stack, group_size=1, max_attempts=1)
@@ -133,8 +131,14 @@ def test_vanished_harness_on_its_last_attempt_is_scored_partially(stack: dict[st
             except NotFound:
                 return None
 
-        wait_until(scored, 5, "the execution to be scored from its preserved workspace")
+        wait_until(scored, 30, "the execution to be scored from its preserved workspace")
         score = rew.get_score(eid)
         assert score.status == "timeout" and score.timeout_policy == "partial"
         assert score.reward == pytest.approx(1 / PARTS)  # the one part the harness had preserved
-        assert traj.step_plan(JOB, 0).num_completed == 1
+        assert score.outcome_reported
+        execution = sched.get_execution(eid)
+        assert execution.state is ExecState.TIMEOUT and "last allowed attempt" in execution.reason
+        assert sched.get_job(JOB).totals == {"finished": 0, "timeout": 1, "failed": 0, "requeued": 0}
+        plan = traj.step_plan(JOB, 0)
+        assert plan.num_completed == 1 and plan.sealed
+        assert rew.score(JOB, eid, "timeout").duplicate  # scored exactly once

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from protos.gyre.v1 import scheduler_pb2 as pb
-from services.common.errors import AlreadyExists, FailedPrecondition, NotFound
+from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from services.scheduler.jobs import ExecState, JobState, Mode, Role
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
@@ -114,6 +114,46 @@ def test_expired_lease_is_requeued_and_the_old_token_fenced(sched: InProcess) ->
     s.client.complete(second.execution_id, second.lease_token, ExecState.TIMEOUT, "deadline")
     job = s.client.get_job("j1")
     assert job.totals == {"finished": 0, "timeout": 1, "failed": 0, "requeued": 1} and job.done_in_step == 1
+
+
+def test_last_expired_lease_is_scored_as_timeout_once_the_reward_service_answers(sched: InProcess) -> None:
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, max_attempts=1))
+    calls: list[dict[str, object]] = []
+    reward_up = threading.Event()
+
+    def score(**kw: object) -> None:  # the reward service's Score, down until reward_up is set
+        if not reward_up.is_set():
+            raise Unavailable("reward service unavailable")
+        calls.append(kw)
+
+    orch = Orchestrator(s.state, NoActuator(), instance_id="test", metrics_event_interval_s=3600,
+                        timeout_scorer=score)
+    orch.tick()
+    lease = s.client.lease("w1")
+    assert lease is not None
+    time.sleep(0.7)  # no heartbeat on the only allowed attempt
+    orch.tick()
+    ex = s.client.get_execution(lease.execution_id)
+    assert ex.state is ExecState.TIMEOUT and "last allowed attempt" in ex.reason
+
+    def settle() -> None:  # the outbox is sent off the tick
+        deadline = time.monotonic() + 10
+        while orch._scoring is None or not orch._scoring.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        orch._scoring = None
+
+    settle()
+    assert calls == [] and len(s.state.unscored_timeouts()) == 1  # kept while the reward service is down
+    reward_up.set()
+    orch.tick()
+    settle()
+    assert calls == [dict(job_id="j1", execution_id=lease.execution_id, step=0, group_id=lease.group_id,
+                          timeout_policy="partial")]
+    assert s.state.unscored_timeouts() == []
+    orch.tick()
+    assert orch._scoring is None and len(calls) == 1  # acknowledged: never sent again
 
 
 def test_list_cancel_and_lease_wait(sched: InProcess) -> None:

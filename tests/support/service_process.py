@@ -136,8 +136,17 @@ class ServiceProcess:
             self.proc.wait(timeout=30)
 
     def restart(self, timeout_s: float = 120.0) -> "ServiceProcess":
-        self.launch()
-        return self.wait_ready(timeout_s)
+        """Start again on the same port. The kernel may not have released the killed process's
+        listening port yet; like systemd's Restart=, try again a few times when the bind fails."""
+        for attempt in range(5):
+            self.launch()
+            try:
+                return self.wait_ready(timeout_s)
+            except AssertionError as exc:
+                if attempt == 4 or "bind" not in str(exc).lower():
+                    raise
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
 
     def tail(self, lines: int = 30) -> str:
         try:

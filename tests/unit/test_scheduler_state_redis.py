@@ -118,18 +118,24 @@ def test_late_completion_after_requeue_is_accepted_once(st: SchedulerState, cloc
     assert st.get_job("j1").done_in_step == 1
 
 
-def test_max_attempts_marks_failed_and_counts_toward_the_step(st: SchedulerState, clock: Clock) -> None:
+def test_max_attempts_ends_as_timeout_into_the_score_outbox(st: SchedulerState, clock: Clock) -> None:
     s = running_job(st, spec(groups_per_step=1, group_size=1, max_attempts=2))
     st.enqueue_step(s, 0, [b"x"])
-    for outcome in ("requeued", "failed"):
+    for outcome in ("requeued", "timeout"):
         lz = st.lease(["j1"], "w", 1.0)
         assert lz is not None
+        assert st.unscored_timeouts() == []
         clock.t += 2
         assert st.reap_expired() == [(lz.execution_id, outcome)]
     job = st.get_job("j1")
-    assert job.done_in_step == 1 and job.groups_done_in_step == 1 and job.totals["failed"] == 1
+    assert job.done_in_step == 1 and job.groups_done_in_step == 1 and job.totals["timeout"] == 1
     kinds = [e.kind for e in st.read_events("j1")]
     assert kinds.count("execution_requeued") == 1 and kinds[-2:] == ["group_done", "step_rollouts_done"]
+    # waits for the reward service until acknowledged; reaping again adds nothing
+    assert st.unscored_timeouts() == [(lz.execution_id, "j1", 0, lz.group_id)]
+    assert st.reap_expired() == []
+    st.ack_scored(lz.execution_id)
+    assert st.unscored_timeouts() == []
 
 
 def test_training_reports_advance_steps_and_complete_the_job(st: SchedulerState) -> None:
