@@ -109,7 +109,7 @@ def load_config(
             if name not in names:
                 raise ValueError(f"unknown config field '{name}'; known: {', '.join(sorted(names))}")
             values[name] = _typed(value, hints[name], name, "overrides")
-    return cls(**values)
+    return cls(**values)  # type: ignore[return-value]  # cls is a dataclass type T
 
 
 def _from_toml(path: Path, section: str | None, names: set[str], hints: dict[str, Any]) -> dict[str, Any]:

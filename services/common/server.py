@@ -216,6 +216,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             RPC_REQUESTS.labels(method, grpc.StatusCode.INTERNAL.name).inc()
             log.error("rpc failed", service=self.service, method=method, exc_info=exc)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+            return None  # abort raises; unreachable
         RPC_REQUESTS.labels(method, code.name).inc()
         log.info("rpc rejected", service=self.service, method=method, code=code.name, error=str(exc))
         context.abort(code, str(exc) or type(exc).__name__)

@@ -398,7 +398,6 @@ def test_stop_aborts_in_flight_and_rejects_new(model: torch.nn.Module) -> None:
 
 def test_full_state_dict_with_tied_embeddings_installs() -> None:
     """A trainer publishes state_dict() (tied lm_head.weight included); the engine must install it."""
-    import torch
 
     from services.rollout.engine import GenRequest, SamplingParams
     from services.rollout.torch_engine import TorchEngine, build_tiny_model
