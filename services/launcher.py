@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 from pathlib import Path
 
 import redis
@@ -99,16 +100,21 @@ def default_specs(num_engines: int = 2, *, model: str = "builtin-tiny", job_id: 
                                     "--role", "train", "--is-core"]),
     ]
     for i, name in enumerate(engines):
-        specs.append(ServiceSpec(
-            f"cell-{i + 1}", "services.scheduler.agent_main", "cell-agent",
-            deps=lambda a, name=name, i=i: ["--scheduler-address", a["scheduler"], "--cell-id", f"cell-{i + 1}",
-                                            "--role", "rollout", "--engine-address", a[name]]))
+        specs.append(ServiceSpec(f"cell-{i + 1}", "services.scheduler.agent_main", "cell-agent",
+                                 deps=_rollout_cell_deps(f"cell-{i + 1}", name)))
     return specs
 
 
-def harness_spec(*, job_id: str, model: str, concurrency: int) -> ServiceSpec:
-    """The built-in harness worker (leases executions of ``job_id``; serves no gRPC)."""
-    return ServiceSpec("harness", "services.task.harness", "harness", serves=False,
+def _rollout_cell_deps(cell_id: str, engine: str) -> Callable[[Mapping[str, str]], list[str]]:
+    """Flags of a rollout cell's agent: its scheduler and the engine it reports on."""
+    return lambda a: ["--scheduler-address", a["scheduler"], "--cell-id", cell_id, "--role", "rollout",
+                      "--engine-address", a[engine]]
+
+
+def harness_spec(*, job_id: str, model: str, concurrency: int, extra: Sequence[str] = ()) -> ServiceSpec:
+    """The built-in harness worker (leases executions of ``job_id``; serves no gRPC); ``extra``:
+    more HarnessConfig flags (e.g. ``--temperature``)."""
+    return ServiceSpec("harness", "services.task.harness", "harness", serves=False, extra=tuple(extra),
                        deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
                                        "--reward", a["reward"], "--job-id", job_id, "--model-dir", model,
                                        "--concurrency", str(concurrency),
@@ -198,6 +204,30 @@ class Launcher:
             self._save(state)
             echo(f"{spec.name:<11} worker (pid {running.pid}, log {running.log})")
 
+    def exited_workers(self) -> dict[str, str]:
+        """Worker processes (started by this launcher) that have exited: {name: last log lines}."""
+        out: dict[str, str] = {}
+        for name, svc in self._load().get("services", {}).items():
+            if svc.get("address") or not svc.get("pid"):
+                continue  # a gRPC service, not a worker
+            try:
+                pid, _status = os.waitpid(int(svc["pid"]), os.WNOHANG)
+            except ChildProcessError:
+                pid = int(svc["pid"])  # not our child (another launcher): gone if it cannot be signalled
+                try:
+                    os.kill(pid, 0)
+                    continue
+                except OSError:
+                    pass
+            if pid == 0:
+                continue  # still running
+            try:
+                tail = "\n".join(Path(svc["log"]).read_text(errors="replace").splitlines()[-8:])
+            except OSError:
+                tail = "(no log)"
+            out[name] = tail
+        return out
+
     def _start_redis(self) -> tuple[str, int]:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -228,11 +258,12 @@ class Launcher:
         connect(url, retries=1).close()
 
     # -- status / down ------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         if not self.state_file.exists():
             return {"up": False, "services": {}}
         state = self._load()
-        out = {"up": True, "redis": state.get("redis"), "services": {}}
+        services: dict[str, dict[str, Any]] = {}
+        out: dict[str, Any] = {"up": True, "redis": state.get("redis"), "services": services}
         for name, svc in state["services"].items():
             alive = _pid_alive(svc["pid"])
             healthy = alive and not svc["address"]  # workers serve no gRPC: alive is all there is
@@ -242,7 +273,7 @@ class Launcher:
                     healthy = True
                 except TimeoutError:
                     pass
-            out["services"][name] = {"address": svc["address"], "pid": svc["pid"], "alive": alive,
+            services[name] = {"address": svc["address"], "pid": svc["pid"], "alive": alive,
                                      "serving": healthy}
         return out
 

@@ -2,6 +2,9 @@
 
     gyre run [--mode elastic|colocate|async] [--config deploy/config/run.toml] [--<field> value ...]
     gyre run --compare            the three modes on the same seed and budget, one comparison
+    gyre run --model smollm2-135m-instruct --task arith
+                                  a real instruct model on multi-turn arithmetic (defaults from
+                                  deploy/config/run-arith.toml unless --config is given)
 
 One run, top to bottom (``run_job``):
 
@@ -36,6 +39,9 @@ from services.common.config import check, fields_doc, load_config, setting
 from services.launcher import REPO, Launcher, default_specs, harness_spec
 
 DEFAULT_RUN_CONFIG = REPO / "deploy" / "config" / "run.toml"
+# Default config per task family when --config is not given (the services' sections live there too).
+TASK_CONFIGS = {"xlong": DEFAULT_RUN_CONFIG, "arith": REPO / "deploy" / "config" / "run-arith.toml"}
+TASK_GENERATORS = {"xlong": "xlong-v1", "arith": "arith-v1"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +51,8 @@ class RunConfig:
     mode: str = setting("elastic", "Scheduling mode: elastic, colocate or async.")
     seed: int = setting(0, "Seed of tasks, sampling and training.")
     model: str = setting("builtin-tiny", "Policy: builtin-tiny, smollm2-135m-instruct or a checkpoint dir.")
+    task: str = setting("xlong", "Task family: xlong (the built-in XLong repo task) or arith (multi-turn "
+                                 "arithmetic chat, for instruct models with a chat template).")
     steps: int = setting(8, "Policy updates.")
     groups_per_step: int = setting(8, "Task groups per step.")
     group_size: int = setting(8, "Executions per group (GRPO group).")
@@ -58,7 +66,8 @@ class RunConfig:
     eval_tasks: int = setting(32, "Held-out tasks per evaluation (greedy).")
     eval_every: int = setting(2, "Evaluate after every this many published steps (and at the start and end).")
     eval_concurrency: int = setting(16, "Held-out executions evaluated at once.")
-    task_params: str = setting("", "Task difficulty knobs, 'k=v,k=v' (services/task/spec.py TaskParams).")
+    task_params: str = setting("", "Task difficulty knobs, 'k=v,k=v' (xlong: services/task/spec.py "
+                                   "TaskParams; arith: turns, max_operand).")
     time_budget_s: float = setting(900.0, "Stop (and report) after this long even if steps remain.")
     report_dir: str = setting("reports/latest", "Where report.html, PNGs and metrics.jsonl go.")
     data_dir: str = setting(".gyre/run", "Redis data, spool, logs of this run.")
@@ -68,6 +77,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check(self.mode in ("elastic", "colocate", "async"), "mode", self.mode, "elastic, colocate or async")
+        check(self.task in TASK_GENERATORS, "task", self.task, "xlong or arith")
         check(self.steps >= 1, "steps", self.steps, "at least 1")
         check(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, "at least 1")
         check(self.group_size >= 2, "group_size", self.group_size, "at least 2 (group-relative advantages)")
@@ -105,21 +115,31 @@ class Evaluator:
         from services.task.spec import TaskParams, task_from_id, task_ids
         from services.task.tokenizer import Codec
 
-        knobs = TaskParams(**{k: int(v) for k, v in cfg.knobs().items()})
-        self.tasks = [task_from_id(t) for t in task_ids(cfg.eval_tasks, split="heldout", params=knobs)]
-        self.gateway = GatewayClient(gateway_address, timeout_s=300.0)
-        # generous retries: in elastic mode every rollout cell may be training right now
-        self.client = GatewayModelClient(self.gateway, retries=40)
-        self.codec = Codec.from_dir(str(model_dir)) if (model_dir / "tokenizer.json").exists() else Codec()
         self.cfg = cfg
         self.job_id = f"{job_id}-eval"
         self.rounds = 0
+        self.gateway = GatewayClient(gateway_address, timeout_s=300.0)
+        # generous retries: in elastic mode every rollout cell may be training right now
+        self.client = GatewayModelClient(self.gateway, retries=40)
+        if cfg.task == "arith":
+            from transformers import AutoTokenizer
+
+            from services.task.arith import ArithParams
+
+            self.arith_params = ArithParams(**{k: int(v) for k, v in cfg.knobs().items()})
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            return
+        knobs = TaskParams(**{k: int(v) for k, v in cfg.knobs().items()})
+        self.tasks = [task_from_id(t) for t in task_ids(cfg.eval_tasks, split="heldout", params=knobs)]
+        self.codec = Codec.from_dir(str(model_dir)) if (model_dir / "tokenizer.json").exists() else Codec()
 
     def evaluate(self) -> dict[str, float]:
+        self.rounds += 1
+        if self.cfg.task == "arith":
+            return self._evaluate_arith()
         from services.task.agent import AgentConfig, run_execution
         from services.task.scoring import score_workspace
 
-        self.rounds += 1
         agent = AgentConfig(temperature=0.0, timeout_s=self.cfg.execution_timeout_s)
 
         def one(i: int) -> tuple[bool, float]:
@@ -138,6 +158,20 @@ class Evaluator:
         return {"heldout_pass_rate": sum(p for p, _ in results) / n,
                 "heldout_reward": sum(r for _, r in results) / n,
                 "eval_s": time.monotonic() - start}
+
+    def _evaluate_arith(self) -> dict[str, float]:
+        from services.task.arith import ArithConfig, evaluate
+
+        start = time.monotonic()
+        res = evaluate(self.client, self.tokenizer, n=self.cfg.eval_tasks, params=self.arith_params,
+                       concurrency=self.cfg.eval_concurrency, job_id=f"{self.job_id}{self.rounds}",
+                       config=ArithConfig(temperature=0.0, timeout_s=self.cfg.execution_timeout_s))
+        for r in res.results:
+            self.client.forget(f"{self.job_id}{self.rounds}/{r.task_id}")
+        out = {"heldout_pass_rate": res.accuracy, "heldout_reward": res.mean_reward,
+               "eval_s": time.monotonic() - start}
+        out.update({f"heldout_turn{k + 1}": acc for k, acc in enumerate(res.turn_accuracy)})
+        return out
 
     def close(self) -> None:
         self.gateway.close()
@@ -228,8 +262,9 @@ class _Watcher:
             return self.roles + list(self._open.values())
 
 
-def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
-    """Run one job end to end (see module docstring); always tears the stack down."""
+def run_job(cfg: RunConfig, *, echo: Any = print, config_path: str | Path | None = None) -> RunResult:
+    """Run one job end to end (see module docstring); always tears the stack down. The services'
+    sections come from ``config_path`` (default: the task's config, TASK_CONFIGS)."""
     from services.models.source import resolve_model
 
     t_build = time.monotonic()
@@ -238,14 +273,16 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
     echo(f"model ready in {time.monotonic() - t_build:.0f}s: {model_dir}")
 
     job_id = f"run-{cfg.mode}-s{cfg.seed}-{int(time.time())}"
+    echo(f"job: {job_id}")
     data_dir = Path(cfg.data_dir).resolve() / cfg.mode
     if data_dir.exists():  # every run starts from an empty Redis, spool and checkpoint dir
         import shutil
 
         shutil.rmtree(data_dir)
-    launcher = Launcher(data_dir, DEFAULT_RUN_CONFIG)
+    launcher = Launcher(data_dir, Path(config_path) if config_path else TASK_CONFIGS[cfg.task])
     specs = default_specs(cfg.engines, model=str(model_dir), job_id=job_id, torch_threads=cfg.torch_threads)
-    workers = [harness_spec(job_id=job_id, model=str(model_dir), concurrency=cfg.harness_concurrency)]
+    workers = [harness_spec(job_id=job_id, model=str(model_dir), concurrency=cfg.harness_concurrency,
+                            extra=("--temperature", str(cfg.temperature)))]
     env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "GYRE_MODEL_CACHE": str(Path(cfg.model_cache_dir).resolve())}
     t0 = time.time()
     up = launcher.up(specs, redis_url=os.environ.get("REDIS_URL"), echo=echo, env=env)
@@ -284,9 +321,16 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
             scheduler_address=addr["scheduler"], num_steps=cfg.steps, temperature=cfg.temperature,
             seed=cfg.seed, optim=OptimConfig(lr=cfg.learning_rate),
             checkpoint_dir=str(data_dir / "checkpoints")))
+        from services.reward.client import RewardClient
+        from services.reward.scorers import ScorerSpec
+
+        with RewardClient(addr["reward"]) as reward:  # the task family's own scorer, the run's policy
+            reward.configure_job(job_id, ScorerSpec(kind="builtin", target=TASK_GENERATORS[cfg.task]),
+                                 timeout_policy=cfg.timeout_policy)
         params = {"split": "train", "start_seed": str(cfg.seed * 100_000), **cfg.knobs()}
         spec = JobSpec(
-            job_id=job_id, model=str(model_dir), tasks=TaskSource(generator="xlong-v1", params=tuple(params.items())),
+            job_id=job_id, model=str(model_dir),
+            tasks=TaskSource(generator=TASK_GENERATORS[cfg.task], params=tuple(params.items())),
             num_steps=cfg.steps, groups_per_step=cfg.groups_per_step, group_size=cfg.group_size,
             mode=Mode(cfg.mode), staleness_bound=0 if cfg.mode == "colocate" else cfg.staleness_bound,
             timeout_policy=TimeoutPolicy(cfg.timeout_policy), execution_timeout_s=cfg.execution_timeout_s,
@@ -294,7 +338,8 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
         scheduler.submit_job(spec)
         watcher = _Watcher(scheduler, job_id, t0)
         launcher.start_workers(workers, addr, env=env, echo=echo)
-        state = _follow(cfg, scheduler, trainer, trajectory, watcher, job_id, t0, evaluate, echo)
+        state = _follow(cfg, scheduler, trainer, trajectory, watcher, job_id, t0, evaluate, echo,
+                        exited=launcher.exited_workers)
         last_step = max(watcher.step_done, default=-1) + 1
         if not evals or evals[-1]["step"] != last_step:
             # The job is over: elastic may have left every cell training. Make the engines routable
@@ -309,7 +354,7 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
         roles = watcher.close()
         migrations = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_migrations_total", "transport")
         weight_version = scheduler.get_job(job_id).weight_version
-        meta = {"mode": cfg.mode, "seed": cfg.seed, "model": cfg.model, "job": job_id,
+        meta = {"mode": cfg.mode, "seed": cfg.seed, "model": cfg.model, "task": cfg.task, "job": job_id,
                 "hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch CPU",
                 "migrations (by transport)": json.dumps(migrations),
                 "config": json.dumps(dataclasses.asdict(cfg))}
@@ -329,8 +374,9 @@ def run_job(cfg: RunConfig, *, echo: Any = print) -> RunResult:
 
 
 def _follow(cfg: RunConfig, scheduler: Any, trainer: Any, trajectory: Any, watcher: _Watcher, job_id: str,
-            t0: float, evaluate: Any, echo: Any) -> str:
-    """Live progress until the job ends or the time budget runs out; returns the final job state."""
+            t0: float, evaluate: Any, echo: Any, exited: Any = None) -> str:
+    """Live progress until the job ends or the time budget runs out; returns the final job state.
+    ``exited()`` -> {worker: log tail} of worker processes that died: the job cannot go on."""
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
@@ -375,6 +421,11 @@ def _follow(cfg: RunConfig, scheduler: Any, trainer: Any, trajectory: Any, watch
                      f"outcomes {dict(watcher.statuses)}")
             if state in ("succeeded", "failed", "cancelled") or len(watcher.step_done) >= cfg.steps:
                 return state
+            dead = exited() if exited is not None else {}
+            if dead:
+                name, tail = next(iter(dead.items()))
+                scheduler.cancel_job(job_id, f"the {name} process exited")
+                raise RuntimeError(f"the {name} process exited, so no execution can run; its log ends with:\n{tail}")
             if time.time() > deadline:
                 echo(f"time budget of {cfg.time_budget_s:.0f}s reached; stopping the job")
                 scheduler.cancel_job(job_id, "time budget reached")
@@ -437,6 +488,29 @@ def _step_rows(trajectory: Any, trainer: Any, watcher: _Watcher, job_id: str) ->
 
 
 # ------------------------------------------------------------------------------------------ CLI
+def load_run_config(argv: Sequence[str]) -> tuple[RunConfig, Path]:
+    """``[--config FILE] [--field value ...]`` -> (config, the file the services are configured from).
+
+    Without --config the task's own file is used (TASK_CONFIGS: ``--task arith`` reads
+    deploy/config/run-arith.toml), so its defaults (model size, learning rate) fit the task.
+    """
+    args = list(argv)
+    path: Path | None = None
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise ValueError("--config needs a file")
+        path = Path(args[i + 1])
+        del args[i:i + 2]
+    cfg = load_config(RunConfig, path=str(path or DEFAULT_RUN_CONFIG), section="run", env_prefix="GYRE_RUN_",
+                      argv=args)
+    if path is None:
+        path = TASK_CONFIGS[cfg.task]
+        if path != DEFAULT_RUN_CONFIG:  # the task's own defaults, then the same flags on top
+            cfg = load_config(RunConfig, path=str(path), section="run", env_prefix="GYRE_RUN_", argv=args)
+    return cfg, path
+
+
 def run_main(argv: Sequence[str]) -> int:
     args = list(argv)
     if "-h" in args or "--help" in args:
@@ -447,13 +521,8 @@ def run_main(argv: Sequence[str]) -> int:
     compare = "--compare" in args
     if compare:
         args.remove("--compare")
-    path = str(DEFAULT_RUN_CONFIG)
-    if "--config" in args:
-        i = args.index("--config")
-        path = args[i + 1]
-        del args[i:i + 2]
     try:
-        cfg = load_config(RunConfig, path=path, section="run", env_prefix="GYRE_RUN_", argv=args)
+        cfg, path = load_run_config(args)
     except ValueError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
@@ -472,8 +541,8 @@ def run_main(argv: Sequence[str]) -> int:
 
             compare_modes(cfg)
             return 0
-        result = run_job(cfg)
-    except (ValueError, TimeoutError) as exc:
+        result = run_job(cfg, config_path=path)
+    except (ValueError, TimeoutError, RuntimeError) as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
     first, last = (result.evals[0], result.evals[-1]) if result.evals else ({}, {})

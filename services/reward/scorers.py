@@ -5,7 +5,8 @@ Three kinds, named by a `ScorerSpec`:
 * ``builtin`` - target ``xlong-v1`` (default): the built-in task's test runner (services.task.scoring):
   fraction of tests passing, each module discounted by the attempts the harness recorded;
   ``xlong-v1-tests``: the plain fraction of tests passing. Both rebuild the tests from the task
-  id, so a workspace cannot change what it is graded against.
+  id, so a workspace cannot change what it is graded against. ``arith-v1``: the multi-turn
+  arithmetic family (services.task.arith): fraction of turns answered right, from ``answers.json``.
 * ``entry_point`` - target ``package.module:function``; the function is called as
   ``fn(files: dict[str, bytes], task_id: str, status: str)`` and returns a number, a dict with
   ``score`` (and optional ``tests_passed``, ``tests_total``, ``modules``, ``metrics``, ``detail``)
@@ -29,7 +30,7 @@ from typing import Any, Literal
 __all__ = ["ScorerSpec", "ScoreInput", "ModuleResult", "ScorerOutput", "ScorerError", "run_local", "parse_output"]
 
 ScorerKind = Literal["builtin", "entry_point", "external"]
-BUILTIN_SCORERS = ("xlong-v1", "xlong-v1-tests")
+BUILTIN_SCORERS = ("xlong-v1", "xlong-v1-tests", "arith-v1")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
 _ADDR_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
 MAX_MODULES = 4096
@@ -174,9 +175,16 @@ def _xlong_tests(files: Mapping[str, bytes], task_id: str, status: str) -> Score
     return _builtin_xlong(files, task_id, status, discount=1.0)
 
 
+def _arith(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
+    from services.task.arith import score
+
+    return parse_output(score(files, task_id, status))
+
+
 _BUILTINS: dict[str, Callable[[Mapping[str, bytes], str, str], ScorerOutput]] = {
     "xlong-v1": _xlong_discounted,
     "xlong-v1-tests": _xlong_tests,
+    "arith-v1": _arith,
 }
 
 

@@ -12,6 +12,8 @@ Built in:
   task from its id. Params: ``split`` (train), ``start_seed`` (0) and any ``TaskParams`` knob
   (num_modules, min_ops, max_ops, call_pct, visible_tests, hidden_tests). Group ``g`` of step ``s``
   gets seed ``start_seed + s * groups + g``.
+* ``arith-v1`` - multi-turn arithmetic for real instruct models (``services.task.arith``); same
+  payload shape; params ``split``, ``start_seed``, ``turns``, ``max_operand``.
 * ``numbered`` - JSON ``{"step": s, "group": g, "index": i}`` with ``i = s * groups + g`` (demos, tests).
 """
 
@@ -51,7 +53,13 @@ def _xlong(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
     return [json.dumps({"task_id": t}).encode() for t in ids]
 
 
-TASK_GENERATORS: dict[str, TaskGenerator] = {"numbered": _numbered, "xlong-v1": _xlong}
+def _arith(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
+    from services.task.arith import task_generator  # late: only jobs that use it pay the import
+
+    return task_generator(params, step, groups)
+
+
+TASK_GENERATORS: dict[str, TaskGenerator] = {"numbered": _numbered, "xlong-v1": _xlong, "arith-v1": _arith}
 
 
 def register_task_generator(name: str, fn: TaskGenerator) -> None:

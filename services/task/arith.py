@@ -39,6 +39,7 @@ import hashlib
 import json
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -274,11 +275,15 @@ def _seed(execution_id: str, call_id: str) -> int:
 
 def run_arith_execution(task: ArithTask, client: ModelClient, tokenizer: Any, *, config: ArithConfig = ArithConfig(),
                         job_id: str = "", execution_id: str, deadline_s: float | None = None,
-                        clock: Callable[[], float] = time.monotonic) -> ArithResult:
+                        clock: Callable[[], float] = time.monotonic,
+                        on_progress: Callable[[dict[str, bytes]], None] | None = None,
+                        cancelled: threading.Event | None = None) -> ArithResult:
     """One execution: ask every turn, carry the model's own ids forward, grade the replies.
 
     Errors of the client propagate; a deadline (on ``clock``'s scale, default now + timeout_s)
-    ends the execution as ``timeout`` with the replies so far.
+    or ``cancelled`` ends the execution as ``timeout`` with the replies so far. ``on_progress``
+    gets the workspace after every turn but the last (a harness preserves it with the reward
+    service, so an execution that dies later is still scored on what it answered).
     """
     if deadline_s is None:
         deadline_s = clock() + config.timeout_s
@@ -304,6 +309,10 @@ def run_arith_execution(task: ArithTask, client: ModelClient, tokenizer: Any, *,
             if clock() > deadline_s:
                 raise ExecutionTimeout()
             result.replies.append(ctx.answer(np.asarray(gen.output_ids, dtype=np.int32)))
+            if on_progress is not None and turn + 1 < len(task.questions):
+                on_progress({ANSWERS_PATH: json.dumps(result.replies).encode()})
+            if cancelled is not None and cancelled.is_set():
+                raise ExecutionTimeout()
     except ExecutionTimeout:
         result.status = "timeout"
     result.files = {ANSWERS_PATH: json.dumps(result.replies).encode()}

@@ -15,6 +15,10 @@ Each of N worker threads loops:
 
 It is the same path an external harness takes: nothing here knows about cells, migrations or
 training. A model-call failure that survives the retries ends the execution as `failed`.
+
+The task id's family picks the agent: ``xlong-v1/...`` runs the XLong agent (services.task.agent)
+with the built-in tokenizer (or ``model_dir``'s), ``arith-v1/...`` the multi-turn arithmetic chat
+(services.task.arith) through ``model_dir``'s tokenizer and chat template (a real instruct model).
 """
 
 from __future__ import annotations
@@ -114,9 +118,11 @@ class GatewayModelClient:
 class Harness:
     """N worker threads leasing and running executions until `stop()` (or max_executions)."""
 
-    def __init__(self, cfg: HarnessConfig, *, scheduler: Any, gateway: Any, reward: Any, codec: Codec) -> None:
+    def __init__(self, cfg: HarnessConfig, *, scheduler: Any, gateway: Any, reward: Any,
+                 codec: Codec | None = None) -> None:
         self.cfg = cfg
-        self.scheduler, self.reward, self.codec = scheduler, reward, codec
+        self.scheduler, self.reward = scheduler, reward
+        self._codec = codec
         self.model = GatewayModelClient(gateway, retries=cfg.call_retries)
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:x}"
         self.stopping = threading.Event()
@@ -124,6 +130,8 @@ class Harness:
         self.done = 0
         self._done_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._chat_tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
 
     def start(self) -> Harness:
         for i in range(self.cfg.concurrency):
@@ -154,6 +162,37 @@ class Harness:
                 self.done += 1
                 if self.cfg.max_executions and self.done >= self.cfg.max_executions:
                     self.stopping.set()
+
+    @property
+    def codec(self) -> Codec:
+        """The XLong agent's tokenizer view (xlong tasks), built on first use: a model whose
+        tokenizer lacks the task's tokens (an instruct model serving arith) fails only xlong tasks."""
+        with self._tokenizer_lock:
+            if self._codec is None:
+                self._codec = Codec.from_dir(self.cfg.model_dir) if self.cfg.model_dir else Codec()
+            return self._codec
+
+    def chat_tokenizer(self) -> Any:
+        """The served model's HF tokenizer with its chat template (arith tasks), loaded once."""
+        with self._tokenizer_lock:
+            if self._chat_tokenizer is None:
+                if not self.cfg.model_dir:
+                    raise ValueError("arith-v1 tasks need the served model's tokenizer: set --model-dir")
+                from transformers import AutoTokenizer
+
+                self._chat_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_dir)
+            return self._chat_tokenizer
+
+    def _run_arith(self, lease: Any, task_id: str, preserve: Any, cancelled: threading.Event) -> Any:
+        from services.task.arith import ArithConfig, run_arith_execution
+        from services.task.arith import task_from_id as arith_task
+
+        task = arith_task(task_id)
+        config = ArithConfig(temperature=self.cfg.temperature, timeout_s=self.cfg.timeout_s)
+        deadline = min(lease.deadline_s, time.time() + self.cfg.timeout_s) if lease.deadline_s else None
+        return run_arith_execution(task, self.model, self.chat_tokenizer(), config=config, job_id=lease.job_id,
+                                   execution_id=lease.execution_id, deadline_s=deadline, clock=time.time,
+                                   on_progress=preserve, cancelled=cancelled)
 
     def _timeout_policy(self, job_id: str) -> str:
         """The job's timeout policy (from its spec, once per job); "" lets reward use its default."""
@@ -190,17 +229,23 @@ class Harness:
         files: dict[str, bytes] = {}
         try:
             task_id = str(json.loads(lease.payload)["task_id"])
-            task = task_from_id(task_id)
 
             def preserve(snapshot: dict[str, bytes]) -> None:
                 self.reward.submit_workspace(lease.job_id, eid, snapshot, task_id=task_id)
 
-            result = run_execution(task, self.model, codec=self.codec, config=self.cfg.agent, job_id=lease.job_id,
-                                   execution_id=eid, deadline_s=lease.deadline_s, clock=time.time,
-                                   on_progress=preserve, cancelled=cancelled)
-            status, reason, files = result.status, result.error, result.files
-            blog.info("execution ended", status=status, calls=dict(result.calls), events=dict(result.events),
-                      prompt_tokens=result.prompt_tokens, output_tokens=result.output_tokens)
+            if task_id.startswith("arith-v1/"):
+                arith = self._run_arith(lease, task_id, preserve, cancelled)
+                status, reason, files = arith.status, arith.error, arith.files
+                blog.info("execution ended", status=status, turns=len(arith.replies), reward=arith.reward,
+                          prompt_tokens=arith.prompt_tokens, output_tokens=arith.output_tokens)
+            else:
+                task = task_from_id(task_id)
+                result = run_execution(task, self.model, codec=self.codec, config=self.cfg.agent,
+                                       job_id=lease.job_id, execution_id=eid, deadline_s=lease.deadline_s,
+                                       clock=time.time, on_progress=preserve, cancelled=cancelled)
+                status, reason, files = result.status, result.error, result.files
+                blog.info("execution ended", status=status, calls=dict(result.calls), events=dict(result.events),
+                          prompt_tokens=result.prompt_tokens, output_tokens=result.output_tokens)
         except (ValueError, KeyError, TypeError) as exc:
             reason = f"bad task payload: {exc}"
             blog.warning("bad task payload", error=str(exc))
@@ -248,9 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.rollout.client import GatewayClient
     from services.scheduler.client import SchedulerClient
 
-    codec = Codec.from_dir(cfg.model_dir) if cfg.model_dir else Codec()
     harness = Harness(cfg, scheduler=SchedulerClient(cfg.scheduler), reward=RewardClient(cfg.reward),
-                      gateway=GatewayClient(cfg.gateway, timeout_s=cfg.call_timeout_s), codec=codec)
+                      gateway=GatewayClient(cfg.gateway, timeout_s=cfg.call_timeout_s))
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("shutdown requested", signal=signal.Signals(signum).name)

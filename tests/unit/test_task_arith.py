@@ -222,3 +222,34 @@ def test_chat_context_needs_a_chat_template(tok: Any) -> None:
     ids = ctx.ask("hi")
     assert ctx.answer(encode(tok, "hello")) == "hello"
     assert ctx.ask("again")[: len(ids)].tolist() == ids.tolist()
+
+
+def test_progress_is_preserved_after_each_turn_and_cancel_ends_as_timeout(tok: Any) -> None:
+    import threading
+
+    task = arith.task_from_id("arith-v1/train/2/n3.v10")
+    snapshots: list[list[str]] = []
+    cancelled = threading.Event()
+
+    def reply(k: int, _p: list[int]) -> np.ndarray:
+        if k == 1:
+            cancelled.set()  # the job is cancelled while turn 2 is generated
+        return encode(tok, str(task.answers[k]))
+
+    res = arith.run_arith_execution(task, Scripted(tok, reply), tok, execution_id="ex-5", cancelled=cancelled,
+                                    on_progress=lambda files: snapshots.append(json.loads(files[arith.ANSWERS_PATH])))
+    # the workspace after turn 1 and after turn 2 reached the harness; then the cancel ended it
+    assert snapshots == [[str(task.answers[0])], [str(task.answers[0]), str(task.answers[1])]]
+    assert res.status == "timeout" and res.reward == pytest.approx(2 / 3)
+
+
+def test_builtin_reward_scorer_and_scheduler_generator_know_arith() -> None:
+    from services.reward.scorers import ScoreInput, ScorerSpec, run_local
+    from services.scheduler.tasks import TASK_GENERATORS
+
+    task = arith.task_from_id("arith-v1/train/4/n3.v10")
+    files = {arith.ANSWERS_PATH: json.dumps([f"= {task.answers[0]}", "no idea"]).encode()}
+    out = run_local(ScorerSpec(kind="builtin", target="arith-v1"),
+                    ScoreInput(job_id="j", execution_id="e", task_id=task.task_id, status="timeout", files=files))
+    assert out.score == pytest.approx(1 / 3) and out.tests_passed == 1 and out.tests_total == 3
+    assert TASK_GENERATORS["arith-v1"]({"turns": "3"}, 1, 2) == arith.task_generator({"turns": "3"}, 1, 2)
