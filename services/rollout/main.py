@@ -16,6 +16,7 @@ from typing import Any
 
 from protos.gyre.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.entry import Built, run_service
+from services.common.errors import GyreError
 from services.common.logging import get_logger
 from services.common.server import build_server, wait_for_ready
 from services.rollout.config import EngineConfig, GatewayConfig
@@ -130,8 +131,14 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                       max_recoveries=cfg.max_recoveries, probe_interval_s=cfg.probe_interval_s).start()
     for spec in cfg.engine_addresses:
         cell_id, _, address = spec.rpartition("=")
-        if not cell_id:
-            cell_id = gateway.conn(address).get_load(timeout_s=30.0).cell_id
+        if not cell_id:  # ask the engine its cell id: it must be up now
+            try:
+                cell_id = gateway.conn(address).get_load(timeout_s=30.0).cell_id
+            except GyreError as exc:
+                gateway.stop()
+                raise ValueError(
+                    f"engine {address} did not answer ({exc}); start it first, or list it as CELL_ID={address} "
+                    "so the gateway registers it now and routes to it once it is up") from None
         gateway.register_engine(cell_id, address)
     server = build_server("gateway", [(rollout_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway))],
                           service_names=[GATEWAY_SERVICE], host=cfg.host, port=cfg.port,

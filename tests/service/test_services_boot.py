@@ -166,6 +166,8 @@ def _cases(spool: Path) -> dict[tuple[str, str], list[str]]:
         peers = ["--gateway-address", "127.0.0.1:1", "--trainer-address", "127.0.0.1:1"] if section == "scheduler" else []
         out["redis-down", section] = ["--config", str(CONFIG), "--redis-url", dead, "--spool-dir", str(spool),
                                       "--port", "0", *peers]
+    out["engine-down", "gateway"] = ["--config", str(CONFIG), "--port", "0", "--engine-addresses",
+                                     f"127.0.0.1:{free_port()}"]
     return out
 
 
@@ -198,3 +200,9 @@ def test_unreachable_redis_exits_2_with_one_sentence(failed_starts: dict, sectio
     result = failed_starts["redis-down", section]
     assert result.returncode == 2, result.stderr
     assert "unreachable" in _one_sentence(result.stderr, section)
+
+
+def test_gateway_given_an_unreachable_bare_engine_address_exits_2_with_one_sentence(failed_starts: dict) -> None:
+    result = failed_starts["engine-down", "gateway"]
+    assert result.returncode == 2, result.stderr
+    assert "did not answer" in _one_sentence(result.stderr, "gateway") and "CELL_ID=" in result.stderr
