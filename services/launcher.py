@@ -204,12 +204,13 @@ class Launcher:
             self._save(state)
             echo(f"{spec.name:<11} worker (pid {running.pid}, log {running.log})")
 
-    def exited_workers(self) -> dict[str, str]:
-        """Worker processes (started by this launcher) that have exited: {name: last log lines}."""
+    def exited(self) -> dict[str, str]:
+        """Services and workers started by this launcher that have exited (a crash, the OOM
+        killer): {name: last log lines}."""
         out: dict[str, str] = {}
         for name, svc in self._load().get("services", {}).items():
-            if svc.get("address") or not svc.get("pid"):
-                continue  # a gRPC service, not a worker
+            if not svc.get("pid"):
+                continue
             try:
                 pid, _status = os.waitpid(int(svc["pid"]), os.WNOHANG)
             except ChildProcessError:

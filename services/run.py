@@ -283,7 +283,11 @@ def run_job(cfg: RunConfig, *, echo: Any = print, config_path: str | Path | None
     specs = default_specs(cfg.engines, model=str(model_dir), job_id=job_id, torch_threads=cfg.torch_threads)
     workers = [harness_spec(job_id=job_id, model=str(model_dir), concurrency=cfg.harness_concurrency,
                             extra=("--temperature", str(cfg.temperature)))]
-    env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "GYRE_MODEL_CACHE": str(Path(cfg.model_cache_dir).resolve())}
+    # MALLOC_ARENA_MAX: glibc gives each thread of a gRPC + torch process its own malloc arena, and
+    # freed activations stay resident in them; three 135M-model trainer processes hit the OOM killer
+    # on 24 GiB without the cap
+    env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MALLOC_ARENA_MAX": "2",
+           "GYRE_MODEL_CACHE": str(Path(cfg.model_cache_dir).resolve())}
     t0 = time.time()
     up = launcher.up(specs, redis_url=os.environ.get("REDIS_URL"), echo=echo, env=env)
     addr = {k: v.address for k, v in up.items()}
@@ -339,7 +343,7 @@ def run_job(cfg: RunConfig, *, echo: Any = print, config_path: str | Path | None
         watcher = _Watcher(scheduler, job_id, t0)
         launcher.start_workers(workers, addr, env=env, echo=echo)
         state = _follow(cfg, scheduler, trainer, trajectory, watcher, job_id, t0, evaluate, echo,
-                        exited=launcher.exited_workers)
+                        exited=launcher.exited)
         last_step = max(watcher.step_done, default=-1) + 1
         if not evals or evals[-1]["step"] != last_step:
             # The job is over: elastic may have left every cell training. Make the engines routable
@@ -376,7 +380,8 @@ def run_job(cfg: RunConfig, *, echo: Any = print, config_path: str | Path | None
 def _follow(cfg: RunConfig, scheduler: Any, trainer: Any, trajectory: Any, watcher: _Watcher, job_id: str,
             t0: float, evaluate: Any, echo: Any, exited: Any = None) -> str:
     """Live progress until the job ends or the time budget runs out; returns the final job state.
-    ``exited()`` -> {worker: log tail} of worker processes that died: the job cannot go on."""
+    ``exited()`` -> {name: log tail} of service or worker processes that died (a crash, the OOM
+    killer): the run stops with that news instead of waiting out its time budget."""
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
@@ -424,8 +429,12 @@ def _follow(cfg: RunConfig, scheduler: Any, trainer: Any, trajectory: Any, watch
             dead = exited() if exited is not None else {}
             if dead:
                 name, tail = next(iter(dead.items()))
-                scheduler.cancel_job(job_id, f"the {name} process exited")
-                raise RuntimeError(f"the {name} process exited, so no execution can run; its log ends with:\n{tail}")
+                try:
+                    scheduler.cancel_job(job_id, f"the {name} process exited")
+                except Exception:  # deliberate: the scheduler may be the process that died
+                    pass
+                raise RuntimeError(f"the {name} process exited, so the job cannot go on (see its log; `dmesg` "
+                                   f"shows whether the OOM killer ended it); its log ends with:\n{tail}")
             if time.time() > deadline:
                 echo(f"time budget of {cfg.time_budget_s:.0f}s reached; stopping the job")
                 scheduler.cancel_job(job_id, "time budget reached")
@@ -532,9 +541,15 @@ def run_main(argv: Sequence[str]) -> int:
     import signal
 
     def _interrupt(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt  # unwinds run_job's finally: the stack is taken down
+        # Unwinds run_job's finally, which takes the stack down. Later signals are ignored: a
+        # second SIGTERM/^C (from `timeout`, a process-group kill, an impatient user) must not
+        # interrupt that teardown and leave every service running (they run in their own sessions).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         if compare:
             from services.compare import compare_modes
@@ -545,6 +560,9 @@ def run_main(argv: Sequence[str]) -> int:
     except (ValueError, TimeoutError, RuntimeError) as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("gyre run: interrupted; every service it started was stopped", file=sys.stderr)
+        return 130
     first, last = (result.evals[0], result.evals[-1]) if result.evals else ({}, {})
     print(json.dumps({"job_id": result.job_id, "mode": result.mode, "state": result.final_state,
                       "steps": len(result.steps), "wall_s": round(result.wall_s, 1),

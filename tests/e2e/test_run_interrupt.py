@@ -1,0 +1,56 @@
+"""`gyre run` stopped by signals (a `timeout`, a process-group kill, ^C twice) takes down every
+process it started: the services run in their own sessions, so a teardown cut short by a second
+signal would leave them all running (and holding memory) after `gyre run` is gone."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.launcher import REPO
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes (its parent was the run process, now reaped or dead)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_two_sigterms_mid_run_still_stop_every_service(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run", "--steps", "50", "--eval-tasks", "0", "--quiet", "true",
+             "--data-dir", str(tmp_path / "data"), "--report-dir", str(tmp_path / "report")],
+            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 240
+        while "harness     worker" not in out.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        assert proc.poll() is None, out.read_text()
+        pids = [int(p) for p in re.findall(r"\bpid (\d+)", out.read_text())]
+        assert len(pids) >= 8 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # a second signal while the teardown runs
+        assert proc.wait(timeout=120) == 130, out.read_text()
+        assert "interrupted; every service it started was stopped" in out.read_text()
+        left = [p for p in pids if _alive(p)]
+        assert left == [], f"still running after gyre run exited: {left}\n{out.read_text()[-2000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
