@@ -509,7 +509,13 @@ class TrajectoryCore:
                 ex.num_calls = self.store.num_calls(job, eid)
                 ex.outcome = self.store.outcome(job, eid)
             for step in self.store.steps(job):
-                self._recover_step(job, step)
+                try:
+                    self._recover_step(job, step)
+                except (KeyError, OSError) as exc:
+                    # Its spool payloads are gone (another spool dir, a wiped disk): that step cannot
+                    # be rebuilt, but every other job and step can, so the service still starts.
+                    log.error("step cannot be rebuilt: its spool payloads are missing; it is left as is",
+                              job_id=job, step=step, spool=str(self.store.blobs.root), error=str(exc))
         log.info("recovered", executions=len(self._executions), steps=len(self._steps))
 
     def _recover_step(self, job: str, step: int) -> None:

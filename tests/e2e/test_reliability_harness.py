@@ -131,7 +131,11 @@ def test_vanished_harness_on_its_last_attempt_is_scored_partially(stack: dict[st
             except NotFound:
                 return None
 
-        wait_until(scored, 30, "the execution to be scored from its preserved workspace")
+        def reported() -> bool:  # the score is stored first, then its outcome goes to trajectory
+            s = scored()
+            return s is not None and s.outcome_reported  # type: ignore[attr-defined]
+
+        wait_until(reported, 30, "the execution to be scored from its preserved workspace and reported")
         score = rew.get_score(eid)
         assert score.status == "timeout" and score.timeout_policy == "partial"
         assert score.reward == pytest.approx(1 / PARTS)  # the one part the harness had preserved

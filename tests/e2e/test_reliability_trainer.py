@@ -26,7 +26,6 @@ from services.trainer.job import TrainerJob
 from services.trajectory.client import TrajectoryClient
 from services.trajectory.records import Outcome, Role, Status, TitoCall
 from tests.service.scheduler_support import wait_until
-from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess, stop_all
 
 NUM_STEPS = 6
@@ -140,10 +139,9 @@ def _execution(rng: np.random.Generator, eid: str) -> list[TitoCall]:
             for i, (p, out) in enumerate([(prompt, out1), (second, out2), (retry, out3)])]
 
 
-def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_path: Path,
-                                                                         _session_redis: RedisServer) -> None:
+def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_path: Path, redis_url: str) -> None:
     traj = ServiceProcess.start("trajectory", "services.trajectory.main", tmp_path, [
-        "--redis-url", _session_redis.url, "--spool-dir", str(tmp_path / "spool"), "--token-budget", "32",
+        "--redis-url", redis_url, "--spool-dir", str(tmp_path / "spool"), "--token-budget", "32",
         "--stream-poll-s", "0.05", "--batch-lease-s", "5", "--grace-s", "1"])
     trainer = ServiceProcess.start("trainer", "services.trainer.main", tmp_path, ["--grace-s", "1"])
     procs = [traj, trainer]

@@ -273,3 +273,22 @@ def test_step_declarations_are_validated(start) -> None:
         svc.client.open_step(JOB, 6, num_executions=1)
     plan = svc.client.close_step(JOB, 6)
     assert plan.sealed and plan.num_executions == 1 and plan.done is False
+
+
+def test_restart_with_a_lost_spool_still_starts_and_serves(start, tmp_path: Path) -> None:
+    svc = start(collect_done_steps=False)
+    for i in range(2):
+        svc.client.ingest(execution(f"l{i}", 300 + i, 6))
+    svc.client.open_step(JOB, 2, num_executions=2, group_size=2)
+    svc.client.complete_execution(outcome("l0", "g0", 1.0, step=2))
+    svc.client.complete_execution(outcome("l1", "g0", 0.0, step=2))  # the group is released: trees built
+    svc.stop()
+
+    # Restarted against the same Redis but an empty spool (another host's disk, a wiped volume):
+    # the step's payloads cannot be loaded, yet the service starts and serves other work.
+    svc2 = start(collect_done_steps=False, spool_dir=str(tmp_path / "other-spool"))
+    svc2.client.ingest(execution("n0", 400, 4))
+    svc2.client.open_step(JOB, 3, num_executions=2, group_size=2)
+    svc2.client.complete_execution(outcome("n0", "g0", 1.0, step=3))
+    svc2.client.complete_execution(outcome("n1", "g0", 0.0, step=3))
+    assert svc2.client.close_step(JOB, 3).num_executions == 2
