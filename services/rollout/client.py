@@ -23,7 +23,7 @@ from services.common.security import open_channel
 from services.rollout import wire
 from services.rollout.calls import CallMeta, CallResult, EngineLost, MigrationReport, Piece, concat
 from services.rollout.engine import SamplingParams
-from services.rollout.weights import chunk_state_dict
+from services.common.weights import chunk_state_dict
 
 _CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,

@@ -23,7 +23,7 @@ from services.rollout.engine import GenRequest
 from services.rollout.gateway import Gateway, GatewayCall
 from services.rollout.host import EngineHost, RequestChannel
 from services.rollout.router import EngineEntry
-from services.rollout.weights import WeightAssembler
+from services.common.weights import WeightAssembler
 
 
 def _gen_request(request: rollout_pb2.GenerateRequest) -> GenRequest:

@@ -19,7 +19,7 @@ import torch
 from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common import errors
 from services.common.security import open_channel
-from services.rollout.weights import chunk_state_dict
+from services.common.weights import chunk_state_dict
 from services.trainer import wire
 from services.trainer.elastic import JoinTicket, Seal
 from services.trainer.job import TrainerJob

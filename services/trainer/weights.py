@@ -2,7 +2,7 @@
 
 After each step the core snapshots its weights to CPU as version v (``WeightStore.publish``);
 ``GetWeights(v)`` streams that snapshot as ``WeightChunk``s (the codec is shared with the rollout
-engines: ``services.rollout.weights``), so a replica joining while the core is already computing
+engines: ``services.common.weights``), so a replica joining while the core is already computing
 the next update still gets a consistent version. ``push_to_engines`` streams the same snapshot to
 every engine's ``UpdateWeights`` in parallel; an engine only swaps to a version once its stream is
 complete, so no engine mixes versions inside one request.
@@ -20,7 +20,7 @@ import torch
 
 from services.common.errors import DeadlineExceeded, NotFound
 from services.common.logging import get_logger
-from services.rollout.weights import WeightAssembler, chunk_state_dict
+from services.common.weights import WeightAssembler, chunk_state_dict
 
 log = get_logger(__name__)
 

@@ -13,7 +13,7 @@ from services.rollout.engine import TokenEvent
 from services.rollout.host import RequestChannel
 from services.rollout.router import DEAD, DRAINING, READY, Router
 from services.rollout.tito import TitoForwarder
-from services.rollout.weights import WeightAssembler, chunk_state_dict
+from services.common.weights import WeightAssembler, chunk_state_dict
 from services.trajectory.records import TitoCall
 
 
