@@ -64,7 +64,7 @@ bench: install  ## every benchmark; tables land in bench/results/
 	@set -e; for b in bench/bench_*.py; do m=$${b%.py}; m=$${m//\//.}; echo "== $$m"; $(PY) -m $$m; done
 
 lint: install
-	$(PY) -m pip install --quiet ruff mypy
+	$(PY) -m pip install --quiet ruff==0.8.4 mypy==1.13.0
 	$(PY) -m ruff check services tests bench
 	$(PY) -m mypy services
 
