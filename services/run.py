@@ -191,6 +191,7 @@ class RunResult:
     final_state: str
     migrations: dict[str, float] = dataclasses.field(default_factory=dict)
     weight_version: int = 0
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # executions by end status
 
 
 class _Watcher:
@@ -368,7 +369,7 @@ def run_job(cfg: RunConfig, *, echo: Any = print, config_path: str | Path | None
                               meta=meta)
         echo(f"report: {report}")
         return RunResult(job_id, cfg.mode, steps, evals, roles, watcher.switches, time.time() - t0, report, state,
-                         migrations, weight_version)
+                         migrations, weight_version, dict(watcher.statuses))
     finally:
         if watcher is not None:
             watcher.close()
@@ -569,5 +570,6 @@ def run_main(argv: Sequence[str]) -> int:
                       "heldout_pass_rate_first": first.get("heldout_pass_rate"),
                       "heldout_pass_rate_last": last.get("heldout_pass_rate"),
                       "switches": len(result.switches), "migrations": result.migrations,
+                      "outcomes": result.outcomes,
                       "report": str(result.report)}))
     return 0

@@ -242,7 +242,11 @@ def _decide_colocate(view: ClusterView) -> list[Action]:
         # The whole step has rolled out: the pool joins the core on the update.
         return [_switch(c, Role.TRAIN, "colocate: step rolled out") for c in cells
                 if c.role is Role.IDLE or (c.role is Role.ROLLOUT and c.inflight == 0)]
-    if view.queued > 0 and not view.training_active and not view.train_ready:
+    if view.queued + view.running > 0:
+        # Rollout work exists only once the previous update is published (bound 0), so the pool
+        # goes back as soon as there is any, queued or already leased by harnesses (which then
+        # wait for an engine), whatever `training_active` says: a trainer that opened the next step
+        # waits for the batches only these cells can produce.
         return [_switch(c, Role.ROLLOUT, "colocate: update published") for c in cells
                 if c.role in (Role.TRAIN, Role.IDLE)]
     return []

@@ -75,12 +75,13 @@ def run_replica(cfg: TrainerConfig) -> int:
     if cfg.replica_threads:
         torch.set_num_threads(cfg.replica_threads)
     stop = threading.Event()
-    # SIGTERM = give the cell back now: leave at the next micro-batch boundary (hand-off).
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     with TrainerClient(cfg.core, max_message_mb=cfg.max_message_mb) as core:
-        Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
-                device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop).run()
+        replica = Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
+                          device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop)
+        # SIGTERM = give the cell back now: leave at the next micro-batch boundary (hand-off).
+        signal.signal(signal.SIGTERM, lambda *_: replica.interrupt())
+        signal.signal(signal.SIGINT, lambda *_: replica.interrupt())
+        replica.run()
     return 0
 
 

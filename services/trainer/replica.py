@@ -62,6 +62,14 @@ class Replica:
         self._job: TrainerJob | None = None
         self._source: BatchSource | None = None
 
+    def interrupt(self) -> None:
+        """Give the cell back now (SIGTERM): leave at the next micro-batch boundary, also when
+        waiting for batches that have not been produced yet (the rollouts may need this cell)."""
+        self.stop_event.set()
+        interrupt = getattr(self._source, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+
     def run(self) -> ReplicaStats:
         t0 = time.perf_counter()
         held_version = -1
@@ -88,7 +96,7 @@ class Replica:
             journal = journal_for(job.checkpoint_dir, job.job_id)
             trained = 0
             while not self.stop_event.is_set():
-                d = source.next(ticket.step)
+                d = source.next(ticket.step)  # None at the step's end, or after interrupt()
                 if d is None:
                     break
                 trained += train_delivery(learner, d, step=ticket.step, journal=journal, log=log)

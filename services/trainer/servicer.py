@@ -147,5 +147,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # Only a process this core started can be awaited here; a cell agent awaits its own.
         if request.wait_s > 0 and self.replicas is not None and request.cell_id \
                 and self.replicas.replica_of(request.cell_id) == replica_id:
+            # Now, not after the step: the step it sits in may be waiting for rollouts that need
+            # this very cell (colocate: it joined the next step right after the last update). It
+            # hands its gradient sum to the core, so the update is the same either way.
+            self.replicas.terminate(request.cell_id)
             released = self.replicas.wait_exit(request.cell_id, request.wait_s)
         return trainer_pb2.ReleaseReplicaResponse(replica_id=replica_id, released=released)

@@ -69,6 +69,12 @@ class ReplicaProcesses:
             s = self._by_cell.get(cell_id)
             return None if s is None else s.replica_id
 
+    def terminate(self, cell_id: str) -> None:
+        """SIGTERM the cell's replica: it leaves its step now (gradient hand-off) and exits."""
+        s = self.get(cell_id)
+        if s.proc.poll() is None:
+            s.proc.terminate()
+
     def wait_exit(self, cell_id: str, timeout_s: float) -> bool:
         s = self.get(cell_id)
         try:

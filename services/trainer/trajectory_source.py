@@ -62,6 +62,12 @@ class TrajectorySource:
 
         return Delivery(batch=item.batch, ack=ack, reject=reject, batch_id=item.batch_id)
 
+    def interrupt(self) -> None:
+        """End a ``next`` blocked on the stream (any thread): it returns None."""
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.cancel()

@@ -143,3 +143,23 @@ def test_gyre_run_arith_task_pipeline(tmp_path: Path) -> None:
         assert s.scorer == "builtin:arith-v1" and s.status == "finished"  # type: ignore[attr-defined]
         assert s.reward in (0.0, 0.5, 1.0) and s.outcome_reported  # type: ignore[attr-defined]
     assert len(result.evals) == 2 and all("heldout_turn1" in e for e in result.evals)
+
+
+@pytest.mark.timeout(600)
+def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path) -> None:
+    """Colocate on the real stack: the pool goes ROLLOUT -> TRAIN after each step's rollouts and
+    back for the next step, although the trainer opens the next step (and the replicas on the
+    pool join it) right after publishing: the release must not wait for that step's end, whose
+    batches only these cells can produce."""
+    cfg = RunConfig(mode="colocate", steps=2, groups_per_step=4, group_size=4, engines=2, harness_concurrency=8,
+                    eval_tasks=2, eval_every=1, time_budget_s=500, report_dir=str(tmp_path / "report"),
+                    data_dir=str(tmp_path / "data"), quiet=True)
+    lines: list[str] = []
+    result = run_job(cfg, echo=lines.append)
+    assert result.final_state == "completed", lines
+    assert len(result.steps) == 2 and result.weight_version >= 2
+    back = [s for s in result.switches if s["from"] == "train" and s["to"] == "rollout"]
+    assert any(s["from"] == "rollout" and s["to"] == "train" for s in result.switches), result.switches
+    assert len(back) >= 2, result.switches
+    # a pool held in TRAIN would leave the next step's calls without an engine until they fail
+    assert result.outcomes == {"finished": 2 * 16}, result.outcomes

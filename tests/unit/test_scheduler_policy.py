@@ -90,6 +90,17 @@ def test_colocate_stays_in_train_until_the_update_is_published() -> None:
     assert switches(acts) == {"c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
 
 
+def test_colocate_returns_to_rollout_while_the_trainer_waits_in_the_next_step() -> None:
+    # Published; the trainer already opened the next step and waits for its batches (it reports
+    # the step started, so the view says training_active). Only rollouts can feed it.
+    cells = [cell(0, Role.TRAIN, core=True), cell(1, Role.TRAIN), cell(2, Role.TRAIN)]
+    acts = decide(view(cells, queued=8, version=1, training_active=True), COLOCATE)
+    assert switches(acts) == {"c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+    # ... also when harnesses leased all of it at once (nothing queued, all waiting for an engine)
+    acts = decide(view(cells, running=8, version=1, training_active=True), COLOCATE)
+    assert switches(acts) == {"c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+
+
 def test_colocate_is_on_policy_whatever_the_bound() -> None:
     p = PolicyParams(mode=Mode.COLOCATE, staleness_bound=3)
     assert effective_staleness_bound(p) == 0
