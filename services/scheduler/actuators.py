@@ -5,7 +5,7 @@
     ROLLOUT -> TRAIN   gateway.DrainEngine(cell)      in-flight requests migrate (with KV) to the
                                                       remaining engines; the engine leaves routing
                        trainer.AddReplica(cell)       a replica starts there and joins the running step
-    TRAIN -> ROLLOUT   trainer.ReleaseReplica(cell)   returns after the step's update (replica gone)
+    TRAIN -> ROLLOUT   trainer.ReleaseReplica(cell)   the replica leaves now (gradient hand-off) and exits
                        gateway.RegisterEngine(cell)   the engine (at the cell's address) is routable again
 
 ``AgentActuator`` - each cell runs a ``CellAgent`` (``cell_agent.py``) that owns the cell's role

@@ -201,7 +201,8 @@ class StepMembership:
             return state.step
 
     def release(self, replica_id: str) -> bool:
-        """Ask for ``replica_id``'s cell back after the step it is in; False if unknown."""
+        """Ask for ``replica_id``'s cell back after the step it is in; False if unknown. (A replica
+        process this core started is also SIGTERMed by ReleaseReplica, so it leaves at once.)"""
         with self._cv:
             known = self._member(replica_id) is not None
             if known:
