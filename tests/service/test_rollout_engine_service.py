@@ -79,7 +79,10 @@ def test_cancel_ends_the_request(long_engine: EngineClient) -> None:
 def test_caller_disconnect_ends_the_request(long_engine: EngineClient) -> None:
     client = long_engine
     stream = client.generate_stream("to-drop", CallMeta(), PROMPT, LONG)
-    next(iter(stream))
+    # Hold the iterator: a dropped one is closed at once, and closing cancels the call (that race,
+    # not the request's length, failed this check on CI before).
+    it = iter(stream)
+    next(it)
     assert "to-drop" in client.get_load().request_ids
     stream.cancel()  # the caller goes away: the engine stops generating for it
     wait_idle(client)
