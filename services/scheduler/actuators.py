@@ -86,7 +86,7 @@ class AgentActuator:
         if from_role is Role.ROLLOUT:
             if self.gateway is not None:
                 _drain(self.gateway, cell)
-            elif cell.inflight > 0:
+            elif cell.inflight > 0 and job.running > 0:  # a stale count once the job runs nothing
                 raise FailedPrecondition(f"{cell.cell_id} hosts {cell.inflight} executions and no gateway is "
                                          f"configured to migrate them; refusing to interrupt them")
         with CellAgentClient(cell.address, timeout_s=self.timeout_s) as agent:

@@ -290,7 +290,7 @@ class Orchestrator:
         if cell is None or cell.is_core or cell.role is Role.SWITCHING:
             log.error("policy action refused", cell_id=a.cell_id, reason="unknown, core or switching cell")
             return
-        if cell.role is Role.ROLLOUT and cell.inflight > 0 and not a.migrate_to:
+        if cell.role is Role.ROLLOUT and cell.inflight > 0 and job.running > 0 and not a.migrate_to:
             # never interrupt an execution: a busy rollout cell leaves only by migrating its work
             log.error("policy action refused", cell_id=a.cell_id, reason="busy rollout cell without migration")
             return

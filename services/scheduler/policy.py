@@ -26,7 +26,10 @@ Modes (``Mode``):
 Invariants (asserted by ``check_actions`` and the tests): the core cell never switches; a
 SWITCHING cell gets no action; a ROLLOUT cell switches away only when it hosts nothing or when
 every hosted execution is migrated to ROLLOUT cells with KV room, so no execution is
-interrupted. Admission (which execution may start, and where) is decided by ``may_start`` and
+interrupted. "Hosts nothing" is judged by the job's own counters first: a cell's ``inflight``
+comes from its last heartbeat and lags, so when the job has no running execution, a cell that
+still reports some hosts none of the job's (the actuator's drain checks the engine itself and
+refuses to drop a request it really still holds). Admission (which execution may start, and where) is decided by ``may_start`` and
 ``place_execution`` so that the staleness bound is enforced in one place.
 """
 
@@ -239,9 +242,12 @@ def _decide_colocate(view: ClusterView) -> list[Action]:
     cells = _movable(view)
     rollout_idle = view.running == 0 and view.queued == 0
     if rollout_idle and view.train_ready:
-        # The whole step has rolled out: the pool joins the core on the update.
+        # The whole step has rolled out: the whole pool joins the core on the update. Not only the
+        # cells whose last heartbeat says "empty": that count lags by a heartbeat, and the job's own
+        # counters say no execution runs, so nothing of the job is hosted anywhere (a request the
+        # engine really still hosts makes the drain refuse, and the switch is retried).
         return [_switch(c, Role.TRAIN, "colocate: step rolled out") for c in cells
-                if c.role is Role.IDLE or (c.role is Role.ROLLOUT and c.inflight == 0)]
+                if c.role in (Role.IDLE, Role.ROLLOUT)]
     if view.queued + view.running > 0:
         # Rollout work exists only once the previous update is published (bound 0), so the pool
         # goes back as soon as there is any, queued or already leased by harnesses (which then
@@ -359,7 +365,7 @@ def check_actions(view: ClusterView, actions: list[Action], kv_exec: float) -> N
         assert not cell.is_core, f"core cell {a.cell_id} must never switch"
         assert cell.role is not Role.SWITCHING, f"cell {a.cell_id} is mid-switch"
         assert a.to_role in (Role.ROLLOUT, Role.TRAIN) and a.to_role is not cell.role, a
-        if cell.role is Role.ROLLOUT and cell.inflight > 0:
+        if cell.role is Role.ROLLOUT and cell.inflight > 0 and view.running > 0:
             need = cell.inflight
             for target in a.migrate_to:
                 assert target != a.cell_id and target not in seen, f"bad migration target {target}"

@@ -146,11 +146,16 @@ def test_gyre_run_arith_task_pipeline(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path) -> None:
+def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Colocate on the real stack: the pool goes ROLLOUT -> TRAIN after each step's rollouts and
     back for the next step, although the trainer opens the next step (and the replicas on the
     pool join it) right after publishing: the release must not wait for that step's end, whose
-    batches only these cells can produce."""
+    batches only these cells can produce.
+
+    The cell agents heartbeat every 6 s here, so when a step's rollouts end the cells' reported
+    in-flight counts are still those of the calls just finished (what a loaded CI machine made
+    happen by chance): the whole pool must move on the job's own counters, not on those."""
+    monkeypatch.setenv("GYRE_CELL_AGENT_HEARTBEAT_INTERVAL_S", "6")
     cfg = RunConfig(mode="colocate", steps=2, groups_per_step=4, group_size=4, engines=2, harness_concurrency=8,
                     eval_tasks=2, eval_every=1, time_budget_s=500, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
