@@ -123,7 +123,7 @@ def run_threads(n: int, make: Callable[[], Callable[[list[float], list[float]], 
 def big_job(state: object, job_id: str, groups: int, size: int) -> None:
     from services.scheduler.jobs import JobSpec, JobState, Mode, TaskSource
 
-    spec = JobSpec(job_id=job_id, model="m", tasks=TaskSource(generator="numbered"), num_steps=1,
+    spec = JobSpec(job_id=job_id, model="tiny", tasks=TaskSource(generator="numbered"), num_steps=1,
                    groups_per_step=groups, group_size=size, mode=Mode.ELASTIC, staleness_bound=1,
                    execution_kv_tokens=1000)
     state.submit_job(spec)  # type: ignore[attr-defined]

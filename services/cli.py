@@ -1,13 +1,21 @@
 """The ``gyre`` command.
 
-    gyre up [--engines N] [--redis-url URL]   start Redis (own, AOF) + every service; print addresses
-    gyre status                               what runs where, and whether it is SERVING
+    gyre up [--model NAME] [--engines N] [--harness-concurrency N] [--redis-url URL]
+                                              Redis (own, AOF) + every service + built-in harness workers
+    gyre status [--json]                      what runs where, and whether it is SERVING
+    gyre submit FILE.toml [--field value ...] submit the file's [job]; prints the job id on its last line
+    gyre watch JOB [--json]                   live progress until the job ends (--json: one event per line)
+    gyre jobs                                 every job, its state and progress
+    gyre cancel JOB [--reason TEXT]
+    gyre report JOB [--out DIR]               report.html, figures, metrics.jsonl of a job
     gyre down                                 stop everything gracefully (SIGTERM, then SIGKILL)
-    gyre run [--mode elastic|colocate|async] [--config FILE] [...]   the main job (see `gyre run --help`)
+    gyre run [--job FILE] [--config FILE] [...]   up + submit + watch + report + down (`gyre run --help`)
+    gyre run --compare [...]                  the three modes on the same job
     gyre trajectory stats --records FILE.jsonl [--max-paths K]
     gyre bench scheduler --trace FILE.jsonl --cells N [...] [--json]
 
-Subcommands import their heavy parts lazily so ``gyre --help`` and ``gyre status`` stay fast.
+Clients of a stack find its addresses in <data-dir>/run/state.json (`gyre up` writes it), or take
+--scheduler HOST:PORT. Subcommands import their heavy parts lazily so ``gyre --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -26,11 +34,122 @@ def _launcher(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps --h
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher import default_specs
+    from services.run import RunConfig, bring_up
 
-    launcher = _launcher(args)
-    launcher.up(default_specs(args.engines), redis_url=args.redis_url or os.environ.get("REDIS_URL"))
-    print("Gyre is up. `gyre status` shows health; `gyre down` stops everything.")
+    if args.redis_url:
+        os.environ["REDIS_URL"] = args.redis_url
+    run = RunConfig(engines=args.engines, harness_concurrency=args.harness_concurrency)
+    up, model_dir, _env = bring_up(_launcher(args), run, args.model, echo=print)
+    print(f"Gyre is up, serving {model_dir}. `gyre submit deploy/config/job.toml` starts a job; "
+          f"`gyre status` shows health; `gyre down` stops everything.")
+    return 0
+
+
+def _addresses(args: argparse.Namespace) -> dict[str, str]:
+    """Service addresses of the stack this command talks to (--scheduler wins for the scheduler)."""
+    status = _launcher(args).status()
+    out = {name: s["address"] for name, s in status.get("services", {}).items() if s.get("address")}
+    if getattr(args, "scheduler", None):
+        out["scheduler"] = args.scheduler
+    if "scheduler" not in out:
+        raise ValueError(f"no Gyre stack is up under {args.data_dir} (`gyre up` starts one); "
+                         f"or give --scheduler HOST:PORT")
+    return out
+
+
+def _scheduler(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps --help fast
+    from services.scheduler.client import SchedulerClient
+
+    return SchedulerClient(_addresses(args)["scheduler"])
+
+
+def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.scheduler.jobfile import load_job
+
+    spec = load_job(args.file, extra, job_id=args.job_id)
+    with _scheduler(args) as scheduler:
+        job = scheduler.submit_job(spec)
+    print(f"submitted: {job.spec.mode.value} job of {job.spec.num_steps} steps x {job.spec.step_size} executions")
+    print(job.job_id)
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from services.jobwatch import JobView, follow
+
+    with _scheduler(args) as scheduler:
+        view = JobView(args.job)
+        scheduler.get_job(args.job)  # NOT_FOUND in one sentence before anything else
+        if args.json:
+            for ev in follow(scheduler, view):
+                print(json.dumps(view.to_json_event(ev)), flush=True)
+            job = scheduler.get_job(args.job)
+            print(json.dumps({"kind": "end", "job_id": args.job, "state": job.state.value,
+                              "weight_version": job.weight_version, "message": job.message,
+                              "outcomes": view.outcomes, "evaluations": view.evals}), flush=True)
+        else:
+            from services.progress import Progress
+
+            with Progress(scheduler, view, quiet=args.quiet) as progress:
+                for _ev in follow(scheduler, view):
+                    progress.update()
+                progress.update(force=True)
+            job = scheduler.get_job(args.job)
+            print(f"{args.job}: {job.state.value} at weight version {job.weight_version}"
+                  + (f" ({job.message})" if job.message else ""))
+    return 0 if job.state.value == "completed" else 1
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    jobs: list = []
+    with _scheduler(args) as scheduler:
+        token = ""
+        while True:  # every page
+            page, token = scheduler.list_jobs(page_size=1000, page_token=token)
+            jobs += page
+            if not token:
+                break
+    if args.json:
+        print(json.dumps([{"job_id": j.job_id, "state": j.state.value, "mode": j.spec.mode.value,
+                           "step": j.current_step, "num_steps": j.spec.num_steps,
+                           "weight_version": j.weight_version, "message": j.message} for j in jobs], indent=1))
+        return 0
+    if not jobs:
+        print("no jobs (`gyre submit FILE.toml` submits one)")
+    for j in jobs:
+        print(f"{j.job_id:<32} {j.state.value:<10} {j.spec.mode.value:<9} step {j.current_step}/{j.spec.num_steps} "
+              f"v{j.weight_version}  {j.message}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _scheduler(args) as scheduler:
+        job, dropped = scheduler.cancel_job(args.job, args.reason)
+    print(f"{args.job}: {job.state.value} ({dropped} queued executions dropped)")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from services.jobwatch import JobView, write_job_report
+    from services.trainer.client import TrainerClient
+    from services.trajectory.client import TrajectoryClient
+
+    addresses = _addresses(args)
+    with _scheduler(args) as scheduler:
+        scheduler.get_job(args.job)
+        view = JobView(args.job)
+        for ev in scheduler.watch(args.job, follow=False):
+            view.add(ev)
+        trainer = TrainerClient(addresses["trainer"]) if "trainer" in addresses else None
+        trajectory = TrajectoryClient(addresses["trajectory"]) if "trajectory" in addresses else None
+        try:
+            path = write_job_report(view, args.out or f"reports/{args.job}", scheduler=scheduler, trainer=trainer,
+                                    trajectory=trajectory)
+        finally:
+            for c in (trainer, trajectory):
+                if c is not None:
+                    c.close()
+    print(f"report: {path}")
     return 0
 
 
@@ -65,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.sim_cli import bench_main
 
         return bench_main(argv[2:])
+    if argv[:1] == ["run"] and "--compare" in argv:
+        from services.compare import compare_main
+
+        return compare_main([a for a in argv[1:] if a != "--compare"])
     if argv[:1] == ["run"]:
         from services.run import run_main
 
@@ -77,10 +200,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=str(REPO / ".gyre"), help="redis data, spool, logs, run state")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config shared by the services")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="start redis + all services")
+    up = sub.add_parser("up", help="start redis + all services + built-in harness workers")
+    up.add_argument("--model", default="builtin-tiny", help="model the engines serve (name or checkpoint dir)")
     up.add_argument("--engines", type=int, default=2, help="rollout engine cells to start")
+    up.add_argument("--harness-concurrency", type=int, default=16, help="executions the built-in harness runs at once")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.set_defaults(fn=cmd_up)
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--scheduler", default=None, help="scheduler HOST:PORT (default: the stack under --data-dir)")
+    sm = sub.add_parser("submit", parents=[client], help="submit a job file's [job]; prints the job id last")
+    sm.add_argument("file", help="TOML file with a [job] table (e.g. deploy/config/job.toml)")
+    sm.add_argument("--job-id", default="", help="job id (default: a fresh one)")
+    sm.set_defaults(fn=cmd_submit, takes_extra=True)
+    wa = sub.add_parser("watch", parents=[client], help="follow a job until it ends")
+    wa.add_argument("job")
+    wa.add_argument("--json", action="store_true", help="one JSON event per line; the last has state, weight_version")
+    wa.add_argument("--quiet", action="store_true", help="plain progress lines instead of a live table")
+    wa.set_defaults(fn=cmd_watch)
+    jb = sub.add_parser("jobs", parents=[client], help="list jobs")
+    jb.add_argument("--json", action="store_true")
+    jb.set_defaults(fn=cmd_jobs)
+    ca = sub.add_parser("cancel", parents=[client], help="cancel a job")
+    ca.add_argument("job")
+    ca.add_argument("--reason", default="cancelled from the command line")
+    ca.set_defaults(fn=cmd_cancel)
+    rp = sub.add_parser("report", parents=[client], help="write a job's report")
+    rp.add_argument("job")
+    rp.add_argument("--out", default="", help="report directory (default: reports/JOB)")
+    rp.set_defaults(fn=cmd_report)
     st = sub.add_parser("status", help="show services and health")
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
@@ -88,10 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run the main job (see `gyre run --help`)")
     sub.add_parser("trajectory", help="`gyre trajectory stats --records FILE.jsonl [--max-paths K]`")
     sub.add_parser("bench", help="`gyre bench scheduler --trace FILE.jsonl --cells N [--json]`")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from services.common.errors import GyreError
+
     try:
-        return int(args.fn(args))
-    except (ValueError, TimeoutError) as exc:
+        return int(args.fn(args, extra) if getattr(args, "takes_extra", False) else args.fn(args))
+    except (ValueError, TimeoutError, GyreError) as exc:
         print(f"gyre: {exc}", file=sys.stderr)
         return 2
 

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.run import RunConfig, RunResult, run_job
+from services.run import RunConfig, RunResult, load_run, run_job
+from services.scheduler.jobs import JobSpec, Mode
 
 MODES = ("colocate", "async", "elastic")
 
@@ -36,13 +37,16 @@ def time_to(result: RunResult, target: float) -> float | None:
     return None
 
 
-def compare_modes(cfg: RunConfig, *, echo: Any = print) -> dict[str, Any]:
-    out_dir = Path(cfg.report_dir) / "compare"
+def compare_modes(run: RunConfig, spec: JobSpec, *, echo: Any = print, config_path: Any = None) -> dict[str, Any]:
+    out_dir = Path(run.report_dir) / "compare"
     results: dict[str, RunResult] = {}
     for mode in MODES:
         echo(f"== {mode}")
-        mode_cfg = dataclasses.replace(cfg, mode=mode, report_dir=str(out_dir / mode))
-        results[mode] = run_job(mode_cfg, echo=echo)
+        mode_run = dataclasses.replace(run, report_dir=str(out_dir / mode))
+        mode_spec = dataclasses.replace(spec, job_id=f"{spec.job_id}-{mode}", mode=Mode(mode),
+                                        staleness_bound=0 if mode == "colocate" else max(spec.staleness_bound, 1),
+                                        async_rollout_cells=run.engines if mode == "async" else None)
+        results[mode] = run_job(mode_run, mode_spec, echo=echo, **({"config_path": config_path} if config_path else {}))
     finals = [r.evals[-1]["heldout_pass_rate"] for r in results.values() if r.evals]
     target = min(finals) if finals else 0.0
     rows = {}
@@ -52,8 +56,8 @@ def compare_modes(cfg: RunConfig, *, echo: Any = print) -> dict[str, Any]:
                       "heldout_last": r.evals[-1]["heldout_pass_rate"] if r.evals else None,
                       "time_to_target_s": time_to(r, target), "utilization": round(utilization(r), 3),
                       "switches": len(r.switches)}
-    summary = {"seed": cfg.seed, "target_heldout_pass_rate": target, "modes": rows}
-    lines = [f"# Mode comparison (seed {cfg.seed}, {cfg.steps} steps, budget {cfg.time_budget_s:.0f}s)", "",
+    summary = {"seed": spec.seed, "target_heldout_pass_rate": target, "modes": rows}
+    lines = [f"# Mode comparison (seed {spec.seed}, {spec.num_steps} steps, budget {run.time_budget_s:.0f}s)", "",
              f"Target held-out pass rate: {target:.3f} (lowest final rate among the modes).", "",
              "| mode | wall s | steps | held-out first -> last | time to target s | utilization | switches |",
              "|---|---:|---:|---|---:|---:|---:|"]
@@ -66,3 +70,16 @@ def compare_modes(cfg: RunConfig, *, echo: Any = print) -> dict[str, Any]:
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
     echo("\n".join(lines))
     return summary
+
+
+def compare_main(argv: list[str]) -> int:
+    """``gyre run --compare [same flags as gyre run]``."""
+    import sys
+
+    try:
+        run, spec, config = load_run(argv)
+    except ValueError as exc:
+        print(f"gyre run --compare: {exc}", file=sys.stderr)
+        return 2
+    compare_modes(run, spec, config_path=config)
+    return 0

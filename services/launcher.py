@@ -53,6 +53,7 @@ class Running:
     metrics_port: int | None
     log: str
     command: list[str] = field(default_factory=list)
+    info: dict[str, str] = field(default_factory=dict)  # extra endpoints the service announced (gateway: "http")
 
 
 def service_command(spec: ServiceSpec, *, config: Path, redis_url: str, spool_dir: Path,
@@ -94,7 +95,8 @@ def default_specs(num_engines: int = 2, *, model: str = "builtin-tiny", job_id: 
                                     ",".join(a[e] for e in engines), "--tokenizer-path", model, *job]),
         ServiceSpec("scheduler", "services.scheduler.main", "scheduler",
                     deps=lambda a: ["--gateway-address", a["gateway"], "--trainer-address", a["trainer"],
-                                    "--reward-address", a["reward"], "--actuator", "services"]),
+                                    "--reward-address", a["reward"], "--trajectory-address", a["trajectory"],
+                                    "--actuator", "services"]),
         ServiceSpec("cell-0", "services.scheduler.agent_main", "cell-agent",
                     deps=lambda a: ["--scheduler-address", a["scheduler"], "--cell-id", "cell-0",
                                     "--role", "train", "--is-core"]),
@@ -111,12 +113,13 @@ def _rollout_cell_deps(cell_id: str, engine: str) -> Callable[[Mapping[str, str]
                       "--engine-address", a[engine]]
 
 
-def harness_spec(*, job_id: str, model: str, concurrency: int, extra: Sequence[str] = ()) -> ServiceSpec:
-    """The built-in harness worker (leases executions of ``job_id``; serves no gRPC); ``extra``:
-    more HarnessConfig flags (e.g. ``--temperature``)."""
+def harness_spec(*, model: str, concurrency: int, job_id: str = "", extra: Sequence[str] = ()) -> ServiceSpec:
+    """The built-in harness worker (serves no gRPC): leases the executions of any running job that
+    built-in harnesses run (or only ``job_id``'s); ``extra``: more HarnessConfig flags."""
+    job = ["--job-id", job_id] if job_id else []
     return ServiceSpec("harness", "services.task.harness", "harness", serves=False, extra=tuple(extra),
                        deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
-                                       "--reward", a["reward"], "--job-id", job_id, "--model-dir", model,
+                                       "--reward", a["reward"], *job, "--model-dir", model,
                                        "--concurrency", str(concurrency),
                                        # model calls wait (not fail) while every cell trains
                                        "--call-retries", "60"])
@@ -190,7 +193,8 @@ class Launcher:
         info = json.loads(port_file.read_text())
         address = f"127.0.0.1:{info['port']}"
         wait_for_ready(address, timeout_s=max(1.0, deadline - time.monotonic()))
-        return Running(spec.name, proc.pid, address, info.get("metrics_port"), str(log_path), cmd)
+        extra = {k: str(v) for k, v in info.items() if k not in ("port", "metrics_port", "pid")}
+        return Running(spec.name, proc.pid, address, info.get("metrics_port"), str(log_path), cmd, extra)
 
     def start_workers(self, specs: Sequence[ServiceSpec], addresses: Mapping[str, str], *,
                       env: Mapping[str, str] | None = None, echo: Callable[[str], None] = print) -> None:
@@ -275,7 +279,7 @@ class Launcher:
                 except TimeoutError:
                     pass
             services[name] = {"address": svc["address"], "pid": svc["pid"], "alive": alive,
-                                     "serving": healthy}
+                              "serving": healthy, **svc.get("info", {})}
         return out
 
     def down(self, *, grace_s: float = 20.0, echo: Callable[[str], None] = print) -> None:

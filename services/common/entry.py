@@ -59,7 +59,8 @@ def run_service(name: str, config_cls: type[C], build: Callable[[C], Built],
     log.info("serving", address=f"{cfg.host}:{server.port}", metrics_port=metrics_port, pid=os.getpid())
     if port_path:
         tmp = Path(port_path + ".tmp")
-        tmp.write_text(json.dumps({"port": server.port, "metrics_port": metrics_port, "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"port": server.port, "metrics_port": metrics_port, "pid": os.getpid(),
+                                   **server.info}))
         tmp.replace(port_path)
     serve(server, grace_s=cfg.grace_s, on_shutdown=on_shutdown)
     # In-flight RPCs had grace_s and were then cancelled; a handler thread still blocked in a

@@ -69,14 +69,16 @@ _BY_CODE: dict[grpc.StatusCode, type[GyreError]] = {
 }
 
 
-def from_rpc_error(exc: grpc.RpcError) -> GyreError:
+def from_rpc_error(exc: grpc.RpcError, *, unavailable: type[GyreError] = Unavailable) -> GyreError:
     """The domain error a typed client raises for a failed call (the inverse of ``status_for``).
 
-    INTERNAL and codes without a domain class become a plain ``GyreError`` carrying the code.
+    ``unavailable`` is what UNAVAILABLE becomes (a client may name a finer error, e.g. the rollout
+    engine client's ``EngineLost``). INTERNAL and codes without a domain class become a plain
+    ``GyreError`` carrying the code.
     """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or code.name
-    cls = _BY_CODE.get(code)
+    cls = unavailable if code == grpc.StatusCode.UNAVAILABLE else _BY_CODE.get(code)
     if cls is None:
         err = GyreError(f"{code.name}: {details}")
         err.code = code

@@ -49,6 +49,7 @@ class GyreServer:
         self.port = port
         self.health = health_servicer
         self.service_names = tuple(service_names)
+        self.info: dict[str, str] = {}  # extra endpoints (e.g. "http": an HTTP base URL), for the port file
         self._stopped = threading.Event()
 
     @property

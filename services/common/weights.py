@@ -44,7 +44,7 @@ class WeightAssembler:
         self._tensors: dict[str, _Tensor] = {}
 
     def add(self, *, version: int, name: str, dtype: str, shape: tuple[int, ...], data: bytes,
-            offset_bytes: int, total_bytes: int, last: bool) -> None:
+            offset_bytes: int, total_bytes: int, last: bool, restart: bool = False) -> None:
         import torch
 
         if self.version is None:
@@ -114,8 +114,9 @@ class WeightAssembler:
 
 
 def chunk_state_dict(state_dict: "dict[str, torch.Tensor]", version: int, *,
-                     chunk_bytes: int = 4 << 20) -> "Iterator[dict[str, Any]]":
-    """The chunks (as ``WeightChunk`` fields) that stream ``state_dict`` as weight ``version``."""
+                     chunk_bytes: int = 4 << 20, restart: bool = False) -> "Iterator[dict[str, Any]]":
+    """The chunks (as ``WeightChunk`` fields) that stream ``state_dict`` as weight ``version``
+    (``restart``: a new job's first weights, installed whatever version the receiver holds)."""
     import torch
 
     if chunk_bytes < 1:
@@ -130,7 +131,7 @@ def chunk_state_dict(state_dict: "dict[str, torch.Tensor]", version: int, *,
             end = min(total, s + chunk_bytes)
             yield {"version": version, "name": name, "dtype": str(t.dtype).removeprefix("torch."),
                    "shape": list(t.shape), "data": bytes(raw[s:end]), "offset_bytes": s,
-                   "total_bytes": total, "last": i == len(names) - 1 and end == total}
+                   "total_bytes": total, "last": i == len(names) - 1 and end == total, "restart": restart}
     if not names:
         yield {"version": version, "name": "", "dtype": "", "shape": [], "data": b"",
-               "offset_bytes": 0, "total_bytes": 0, "last": True}
+               "offset_bytes": 0, "total_bytes": 0, "last": True, "restart": restart}

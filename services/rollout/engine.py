@@ -206,8 +206,9 @@ class InferenceEngine(abc.ABC):
         """Fallback resume without KV: recompute it from prompt + generated tokens."""
 
     @abc.abstractmethod
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Install a new weight version between engine steps (see the engine's version policy)."""
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *, restart: bool = False) -> None:
+        """Install a new weight version between engine steps (see the engine's version policy).
+        ``restart``: a new job's first weights, accepted whatever version the engine holds."""
 
     @abc.abstractmethod
     def active_requests(self) -> list[str]:

@@ -151,6 +151,7 @@ def build_gateway(cfg: GatewayConfig) -> Built:
         http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
                             max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token).start()
         log.info("openai endpoint", base_url=http.base_url)
+        server.info["http"] = http.base_url  # in the port file, so `gyre status` shows it
 
     def on_shutdown() -> None:
         if http is not None:

@@ -133,13 +133,15 @@ class EngineServicer(rollout_pb2_grpc.EngineServicer):
 
     def UpdateWeights(self, request_iterator: Iterator[common_pb2.WeightChunk], context: grpc.ServicerContext) -> Any:
         asm = WeightAssembler()
+        restart = False
         for c in request_iterator:
             asm.add(version=c.version, name=c.name, dtype=c.dtype, shape=tuple(c.shape), data=c.data,
                     offset_bytes=c.offset_bytes, total_bytes=c.total_bytes, last=c.last)
+            restart = restart or c.restart
         if asm.version is None:
             raise InvalidArgument("UpdateWeights got no chunks")
         state_dict = asm.state_dict()
-        self.host.engine.update_weights(state_dict, asm.version)
+        self.host.engine.update_weights(state_dict, asm.version, restart=restart)
         return rollout_pb2.UpdateWeightsResponse(weight_version=asm.version, num_tensors=len(state_dict),
                                                  num_bytes=asm.num_bytes)
 

@@ -206,8 +206,8 @@ class SGLangEngine(InferenceEngine):
                           rng_state: bytes | None, weight_version: int, on_event: EventCallback) -> None:
         self._start(req, np.asarray(generated_ids, np.int32), on_event)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        if version <= self.weight_version:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *, restart: bool = False) -> None:
+        if version <= self.weight_version and not restart:
             raise ValueError(f"weight version {version} is not newer than {self.weight_version}")
         if not self.weights_dir:
             raise FailedPrecondition("sglang weight updates need weights_dir (a path the server can read)")

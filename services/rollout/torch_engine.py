@@ -333,10 +333,11 @@ class TorchEngine(InferenceEngine):
                                weight_version=weight_version)
         self.import_request(state, on_event)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Validate and stage; the loop installs it between steps (see module docstring)."""
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, *, restart: bool = False) -> None:
+        """Validate and stage; the loop installs it between steps (see module docstring).
+        ``restart``: a new job's first weights (versions count per job), accepted whatever it holds."""
         with self._lock:
-            if version <= self._staged_version:
+            if version <= self._staged_version and not restart:
                 raise ValueError(f"weight version {version} is not newer than {self._staged_version}")
         staged: dict[str, torch.Tensor] = {}
         for name, tensor in state_dict.items():
@@ -349,7 +350,7 @@ class TorchEngine(InferenceEngine):
         if not staged:
             raise ValueError("update_weights got an empty state dict")
         with self._lock:
-            if version <= self._staged_version:
+            if version <= self._staged_version and not restart:
                 raise ValueError(f"weight version {version} is not newer than {self._staged_version}")
             self._staged_version = version
             self._commands.append(_Cmd("weights", (staged, version)))

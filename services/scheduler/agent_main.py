@@ -55,7 +55,8 @@ class Reporter:
         cfg = self.cfg
         self.client.register_cell(cell_id=cfg.cell_id, address=self.address, role=self.agent.role,
                                   host=cfg.advertise_host or cfg.host, is_core=cfg.is_core,
-                                  kv_capacity_tokens=cfg.kv_capacity_tokens, num_accelerators=cfg.num_accelerators)
+                                  kv_capacity_tokens=cfg.kv_capacity_tokens, num_accelerators=cfg.num_accelerators,
+                                  engine_address=cfg.engine_address)
         log.info("cell registered", cell_id=cfg.cell_id, address=self.address, role=self.agent.role.value)
 
     def _load(self) -> tuple[int, int, int, int]:

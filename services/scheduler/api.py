@@ -27,11 +27,13 @@ from services.scheduler.jobs import (
     JobState,
     JobStatus,
     Lease,
+    HARNESSES,
+    MAX_JOB_ID,
     Role,
     check_id,
 )
 from services.scheduler.state import CompleteResult, SchedulerState
-from services.scheduler.tasks import validate_task_source
+from services.scheduler.tasks import heldout_payloads, validate_task_source
 
 log = get_logger(__name__)
 
@@ -42,6 +44,27 @@ COMPLETIONS = Counter("gyre_scheduler_completions_total", "Executions completed,
 EVENT_ID_RE = re.compile(r"^\d{1,20}-\d{1,20}$")
 MAX_WAIT_S = 60.0
 MAX_PAGE = 1000
+
+
+def check_submittable(spec: JobSpec) -> None:
+    """Everything a job names must exist before anything is written: its task source, its held-out
+    tasks (when it is evaluated), its scorer and its model. Raises InvalidArgument (one sentence)."""
+    try:
+        validate_task_source(spec)
+        if spec.evaluation.tasks:
+            heldout_payloads(spec.tasks.generator, dict(spec.tasks.params), 1)
+        if spec.scorer:
+            from services.scheduler.controller import scorer_spec
+
+            scorer_spec(spec.scorer)
+        from services.models.source import check_model
+
+        check_model(spec.model)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if len(spec.job_id) > MAX_JOB_ID:
+        raise InvalidArgument(f"job_id {spec.job_id!r} is longer than {MAX_JOB_ID} characters (its evaluation "
+                              f"executions are recorded under job_id + '-eval')")
 
 
 @dataclass(frozen=True)
@@ -86,7 +109,7 @@ class SchedulerApi:
         return time.strftime("job-%Y%m%d-%H%M%S-", time.gmtime(self.state.clock())) + secrets.token_hex(3)
 
     def submit_job(self, spec: JobSpec) -> JobStatus:
-        validate_task_source(spec)
+        check_submittable(spec)
         job = self.state.submit_job(spec)
         log.info("job submitted", job_id=spec.job_id, mode=spec.mode.value, steps=spec.num_steps,
                  step_size=spec.step_size)
@@ -163,18 +186,26 @@ class SchedulerApi:
 
     # ---------------------------------------------------------------- worker API
 
-    def lease(self, worker_id: str, job_id: str, wait_s: float) -> Lease | None:
-        """Lease an execution (of ``job_id``, or of any running job), waiting up to ``wait_s``."""
+    def lease(self, worker_id: str, job_id: str, wait_s: float, *, harness: str = "") -> Lease | None:
+        """Lease an execution (of ``job_id``, or of any running job run by ``harness`` harnesses),
+        waiting up to ``wait_s``."""
         _require(worker_id, "worker_id")
         if not 0 <= wait_s <= MAX_WAIT_S:
             raise InvalidArgument(f"wait_s is {wait_s}; expected 0..{MAX_WAIT_S:.0f} seconds")
         if job_id:
             check_id(job_id, "job_id")
+        if harness and harness not in HARNESSES:
+            raise InvalidArgument(f"harness is {harness!r}; expected {' or '.join(HARNESSES)} (or empty: any job)")
         deadline = time.monotonic() + wait_s
         pause = self.poll_s
         while True:
-            lease = self.state.lease([job_id] if job_id else self.state.active_job_ids(), worker_id,
-                                     self.lease_ttl_s, strict=bool(job_id))
+            if job_id:
+                candidates = [job_id]
+            else:
+                candidates = self.state.active_job_ids()
+                if harness:
+                    candidates = [j for j, h in zip(candidates, self.state.job_harnesses(candidates)) if h == harness]
+            lease = self.state.lease(candidates, worker_id, self.lease_ttl_s, strict=bool(job_id))
             if lease is not None:
                 LEASES.inc()
                 log.debug("leased", job_id=lease.job_id, execution_id=lease.execution_id, attempt=lease.attempt,
@@ -205,16 +236,21 @@ class SchedulerApi:
     # ---------------------------------------------------------------- cells
 
     def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
-                      kv_capacity_tokens: int, num_accelerators: int) -> tuple[CellRecord, bool]:
+                      kv_capacity_tokens: int, num_accelerators: int,
+                      engine_address: str = "") -> tuple[CellRecord, bool]:
         check_id(_require(cell_id, "cell_id"), "cell_id")
         _require(address, "address")
         if ":" not in address:
             raise InvalidArgument(f"address {address!r} must be host:port")
+        if engine_address and (":" not in engine_address or len(engine_address) > 255):
+            raise InvalidArgument(f"engine_address {engine_address[:80]!r} must be host:port")
+        if engine_address and is_core:
+            raise InvalidArgument("the core cell trains and never serves an engine; register it without engine_address")
         if kv_capacity_tokens < 0 or num_accelerators < 0:
             raise InvalidArgument("kv_capacity_tokens and num_accelerators must be >= 0")
         created = self.state.register_cell(cell_id=cell_id, address=address, host=host, role=role, is_core=is_core,
                                            kv_capacity_tokens=kv_capacity_tokens,
-                                           num_accelerators=max(num_accelerators, 1))
+                                           num_accelerators=max(num_accelerators, 1), engine_address=engine_address)
         log.info("cell registered", cell_id=cell_id, address=address, role=role.value, core=is_core, new=created)
         return self.state.get_cell(cell_id), created
 

@@ -14,13 +14,9 @@ errors of ``services.common.errors`` carrying the server's message, so callers n
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
-
-import grpc
 
 from protos.gyre.v1 import scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common import errors
-from services.common.security import open_channel
+from services.common.client import GrpcClient
 from services.scheduler.api import CellInfo
 from services.scheduler.convert import (
     JOB_STATE_TO_PB,
@@ -43,34 +39,7 @@ pb = scheduler_pb2
 _PHASES = {"started": pb.TRAINING_PHASE_STARTED, "published": pb.TRAINING_PHASE_PUBLISHED}
 
 
-def domain_error(exc: grpc.RpcError) -> errors.GyreError:
-    """The domain error for a failed call (see ``services.common.errors.from_rpc_error``)."""
-    return errors.from_rpc_error(exc)
-
-
-class _Base:
-    def __init__(self, address: str, *, timeout_s: float = 30.0, max_message_mb: int = 64) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = open_channel(address, max_message_mb=max_message_mb)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise domain_error(exc) from None
-
-
-class SchedulerClient(_Base):
+class SchedulerClient(GrpcClient):
     """All scheduler services (Scheduler, Worker, Cells) over one channel; thread-safe."""
 
     def __init__(self, address: str, *, timeout_s: float = 30.0, max_message_mb: int = 64) -> None:
@@ -103,11 +72,8 @@ class SchedulerClient(_Base):
               timeout_s: float | None = None) -> Iterator[Event]:
         """The job's events in order; resume with the last ``event_id`` seen."""
         req = pb.WatchJobRequest(job_id=job_id, after_event_id=after_event_id, follow=follow)
-        try:
-            for e in self._sched.WatchJob(req, timeout=timeout_s):
-                yield event_from_proto(e)
-        except grpc.RpcError as exc:
-            raise domain_error(exc) from None
+        for e in self._stream(self._sched.WatchJob, req, timeout_s):
+            yield event_from_proto(e)
 
     def report_training(self, job_id: str, step: int, phase: str, weight_version: int = 0) -> tuple[JobStatus, bool]:
         """Trainer progress: ``phase`` 'started' or 'published' (with ``weight_version`` = step + 1)."""
@@ -126,8 +92,10 @@ class SchedulerClient(_Base):
         return [CellInfo(cell_from_proto(c), c.heartbeat_age_s, c.alive) for c in res.cells]
 
     # -- worker (harnesses)
-    def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0) -> Lease | None:
-        req = pb.LeaseExecutionRequest(worker_id=worker_id, job_id=job_id, wait_s=wait_s)
+    def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0, harness: str = "") -> Lease | None:
+        """An execution of ``job_id`` (or of any running job run by ``harness`` harnesses:
+        "builtin", "external"; "" any), waiting up to ``wait_s``; None when there was none."""
+        req = pb.LeaseExecutionRequest(worker_id=worker_id, job_id=job_id, wait_s=wait_s, harness=harness)
         res = self._call(self._worker.LeaseExecution, req, self.timeout_s + wait_s)
         return lease_from_proto(res.lease) if res.leased else None
 
@@ -146,10 +114,10 @@ class SchedulerClient(_Base):
 
     # -- cells
     def register_cell(self, *, cell_id: str, address: str, role: Role, host: str = "", is_core: bool = False,
-                      kv_capacity_tokens: int = 0, num_accelerators: int = 1) -> bool:
+                      kv_capacity_tokens: int = 0, num_accelerators: int = 1, engine_address: str = "") -> bool:
         req = pb.RegisterCellRequest(cell_id=cell_id, address=address, host=host, role=ROLE_TO_PB[role],
                                      is_core=is_core, kv_capacity_tokens=kv_capacity_tokens,
-                                     num_accelerators=num_accelerators)
+                                     num_accelerators=num_accelerators, engine_address=engine_address)
         return bool(self._call(self._cells.RegisterCell, req).created)
 
     def cell_heartbeat(self, cell_id: str, *, role: Role, inflight: int = 0, kv_used_tokens: int = 0,
@@ -166,11 +134,11 @@ class SchedulerClient(_Base):
         return ROLE_FROM_PB[res.role]
 
 
-class CellAgentClient(_Base):
+class CellAgentClient(GrpcClient):
     """Client of one cell's ``CellAgent`` (what the agent actuator calls)."""
 
     def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
-        super().__init__(address, timeout_s=timeout_s)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=64)
         self._stub = scheduler_pb2_grpc.CellAgentStub(self._channel)
 
     def set_role(self, *, cell_id: str, role: Role, switch_id: str, job_id: str = "", step: int = 0,
@@ -186,12 +154,12 @@ class CellAgentClient(_Base):
         return res.cell_id, ROLE_FROM_PB[res.role], res.last_switch_id
 
 
-class TrainerMembershipClient(_Base):
+class TrainerMembershipClient(GrpcClient):
     """The two trainer RPCs the orchestrator needs (AddReplica / ReleaseReplica), without the
-    trainer client's torch import, so the scheduler process stays light."""
+    trainer client's job and replica types, so the scheduler speaks plain ids and flags."""
 
     def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
-        super().__init__(address, timeout_s=timeout_s)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=64)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
     def add_replica(self, cell_id: str, *, switch_id: str, wait_s: float) -> str:

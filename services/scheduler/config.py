@@ -17,6 +17,18 @@ class SchedulerConfig(ServerConfig):
     trainer_address: str = setting("", "Trainer (replica join/leave) for the 'services' actuator.")
     reward_address: str = setting(
         "", "Reward service: scores executions whose last lease expired (as timeouts, under the job's policy).")
+    trajectory_address: str = setting(
+        "", "Trajectory service: the job controller opens each job's steps there (with trainer_address and "
+            "reward_address set, the scheduler drives every job's lifecycle).")
+    advertise_address: str = setting(
+        "", "host:port other services reach this scheduler at (the trainer reports progress there); empty: "
+            "host:port of this server.")
+    checkpoint_dir: str = setting(
+        "", "Root of the trainer's per-job checkpoint directories (must be visible to the trainer host); empty: "
+            "<spool_dir>/checkpoints.")
+    job_controller: bool = setting(
+        True, "Drive every job's lifecycle (reward, trainer, trajectory steps, evaluations) when the three "
+              "service addresses are set; false: the client does it.")
     actuator: str = setting(
         "services",
         "How role switches are carried out: 'services' (gateway + trainer RPCs) or 'agent' (each cell's "

@@ -5,9 +5,14 @@ Conversions from protos validate: a bad value raises ``InvalidArgument`` with th
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
+
 from protos.gyre.v1 import common_pb2, scheduler_pb2
 from services.common.errors import InvalidArgument
 from services.scheduler.jobs import (
+    Algorithm,
+    Evaluation,
+    eval_job_id,
     CellRecord,
     Event,
     ExecState,
@@ -76,7 +81,9 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
                                  "partial, zero or exclude"),
             execution_timeout_s=p.execution_timeout_s or 3600.0,
             cell_ids=tuple(p.cell_ids),
-            algorithm=tuple(sorted(p.algorithm.items())),
+            algorithm=algorithm_from_proto(p.algorithm) if p.HasField("algorithm") else Algorithm(),
+            evaluation=Evaluation(tasks=p.evaluation.tasks, every=p.evaluation.every, greedy=not p.evaluation.sampled),
+            scorer=p.scorer, harness=p.harness or "builtin", seed=p.seed,
             max_attempts=p.max_attempts or 3,
             async_rollout_cells=p.async_rollout_cells if p.HasField("async_rollout_cells") else None,
             min_rollout_cells=p.min_rollout_cells if p.HasField("min_rollout_cells") else 1,
@@ -88,13 +95,28 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
         raise InvalidArgument(f"invalid job spec: {exc}") from None
 
 
+_ALGORITHM_UNSET_IS_DEFAULT = ("learning_rate", "clip_high", "max_grad_norm", "temperature", "loss_aggregation")
+
+
+def algorithm_from_proto(p: scheduler_pb2.Algorithm) -> Algorithm:
+    """Proto3 has no "unset" for scalars: a zero that is never a valid choice reads as the default."""
+    values = {f: getattr(p, f) for f in (x.name for x in fields(Algorithm))}
+    for name in _ALGORITHM_UNSET_IS_DEFAULT:
+        if not values[name]:
+            del values[name]
+    return Algorithm(**values)
+
+
 def spec_to_proto(s: JobSpec) -> scheduler_pb2.JobSpec:
     p = pb.JobSpec(job_id=s.job_id, model=s.model, num_steps=s.num_steps, groups_per_step=s.groups_per_step,
                    group_size=s.group_size, mode=MODE_TO_PB[s.mode], staleness_bound=s.staleness_bound,
                    timeout_policy=TIMEOUT_TO_PB[s.timeout_policy], execution_timeout_s=s.execution_timeout_s,
-                   cell_ids=list(s.cell_ids), algorithm=dict(s.algorithm), max_attempts=s.max_attempts,
+                   cell_ids=list(s.cell_ids), max_attempts=s.max_attempts,
                    min_rollout_cells=s.min_rollout_cells, consolidate_threshold=s.consolidate_threshold,
-                   rollout_batches=s.rollout_batches)
+                   rollout_batches=s.rollout_batches, algorithm=pb.Algorithm(**asdict(s.algorithm)),
+                   evaluation=pb.Evaluation(tasks=s.evaluation.tasks, every=s.evaluation.every,
+                                            sampled=not s.evaluation.greedy),
+                   scorer=s.scorer, harness=s.harness, seed=s.seed)
     if s.tasks.payloads:
         p.tasks.payloads.payloads.extend(s.tasks.payloads)
     else:
@@ -126,7 +148,10 @@ def lease_to_proto(lz: Lease, job: JobSpec) -> scheduler_pb2.ExecutionLease:
     return pb.ExecutionLease(
         execution_id=lz.execution_id, job_id=lz.job_id, step=lz.step, group_id=lz.group_id, task_payload=lz.payload,
         lease_token=lz.lease_token, attempt=lz.attempt, deadline_s=lz.deadline_s, lease_ttl_s=lz.lease_ttl_s,
-        lease_expires_s=lz.lease_expires_s, model=job.model, timeout_policy=TIMEOUT_TO_PB[job.timeout_policy])
+        lease_expires_s=lz.lease_expires_s, model=job.model, timeout_policy=TIMEOUT_TO_PB[job.timeout_policy],
+        evaluation=lz.evaluation, greedy=lz.evaluation and job.evaluation.greedy,
+        record_job_id=eval_job_id(lz.job_id) if lz.evaluation else lz.job_id,
+        temperature=0.0 if lz.evaluation and job.evaluation.greedy else job.algorithm.temperature)
 
 
 def execution_to_proto(x: ExecutionRecord) -> scheduler_pb2.Execution:
@@ -140,7 +165,8 @@ def cell_to_proto(c: CellRecord, age_s: float = 0.0, alive: bool = True) -> sche
                 kv_capacity_tokens=c.kv_capacity_tokens, kv_used_tokens=c.kv_used_tokens, inflight=c.inflight,
                 weight_version=c.weight_version, heartbeat_age_s=age_s, alive=alive,
                 reported_role=ROLE_TO_PB[c.reported_role] if c.reported_role else common_pb2.CELL_ROLE_UNSPECIFIED,
-                last_switch_s=c.last_switch_s, num_accelerators=c.num_accelerators)
+                last_switch_s=c.last_switch_s, num_accelerators=c.num_accelerators,
+                engine_address=c.engine_address)
     if c.role is Role.SWITCHING and c.switch_from and c.switch_to:
         p.switch.CopyFrom(pb.CellSwitch(switch_id=c.switch_id, from_role=ROLE_TO_PB[c.switch_from],
                                         to_role=ROLE_TO_PB[c.switch_to], started_at_s=c.switch_started_s,
@@ -169,7 +195,9 @@ def event_from_proto(p: scheduler_pb2.JobEvent) -> Event:
 def lease_from_proto(p: scheduler_pb2.ExecutionLease) -> Lease:
     return Lease(execution_id=p.execution_id, job_id=p.job_id, step=p.step, group_id=p.group_id,
                  payload=p.task_payload, lease_token=p.lease_token, attempt=p.attempt, deadline_s=p.deadline_s,
-                 lease_ttl_s=p.lease_ttl_s, lease_expires_s=p.lease_expires_s)
+                 lease_ttl_s=p.lease_ttl_s, lease_expires_s=p.lease_expires_s, evaluation=p.evaluation,
+                 greedy=p.greedy, record_job_id=p.record_job_id or p.job_id,
+                 temperature=p.temperature if p.HasField("temperature") else None)
 
 
 def execution_from_proto(p: scheduler_pb2.Execution) -> ExecutionRecord:
@@ -188,4 +216,4 @@ def cell_from_proto(p: scheduler_pb2.Cell) -> CellRecord:
         switch_id=sw.switch_id if sw else "", switch_from=ROLE_FROM_PB[sw.from_role] if sw else None,
         switch_to=ROLE_FROM_PB[sw.to_role] if sw else None, switch_started_s=sw.started_at_s if sw else 0.0,
         switch_job_id=sw.job_id if sw else "", last_switch_s=p.last_switch_s,
-        num_accelerators=p.num_accelerators)
+        num_accelerators=p.num_accelerators, engine_address=p.engine_address)

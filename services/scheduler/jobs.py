@@ -13,9 +13,10 @@ them to and from protos. Invariants live here, where the types are defined:
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -26,6 +27,8 @@ MAX_STEP_SIZE = 100_000
 MAX_STEPS = 1_000_000
 MAX_PAYLOAD_BYTES = 64 * 1024  # task payloads are references/small specs; large data goes to the spool
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
+SCORER_KINDS = ("builtin", "entry_point", "external")
+MAX_JOB_ID = 59  # room for the "-eval" suffix evaluation executions are recorded under
 
 
 class TimeoutPolicy(str, Enum):
@@ -77,6 +80,10 @@ class EventKind(str, Enum):
     SWITCH_FINISHED = "switch_finished"  # attrs: cell_id, from, to, switch_id, duration_ms, outcome, error
     SWITCH_ROLLED_BACK = "switch_rolled_back"  # attrs: cell_id, from, to, switch_id, duration_s, error
     METRICS = "metrics"  # periodic snapshot: queued, running, done_in_step, rollout_cells, train_cells
+    JOB_PREPARED = "job_prepared"  # the controller configured reward and started the trainer; attrs: scorer, engines
+    EVALUATION_STARTED = "evaluation_started"  # a held-out round was enqueued; attrs: round, after_step, tasks
+    EVALUATION = "evaluation"  # a round was scored; attrs: round, after_step, pass_rate, mean_reward, statuses
+    CONTROLLER_ERROR = "controller_error"  # a lifecycle step failed and is retried; attrs: stage, error
 
 
 def check_id(value: str, what: str) -> str:
@@ -110,9 +117,91 @@ class TaskSource:
                 )
 
 
+LOSS_AGGREGATIONS = ("execution_mean",)
+HARNESSES = ("builtin", "external")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Algorithm:
+    """How the trainer turns scored executions into an update (``[job.algorithm]``)."""
+
+    learning_rate: float = 1e-5
+    """AdamW learning rate."""
+    clip_low: float = 0.2
+    """Lower clip range of the policy ratio (1 - clip_low)."""
+    clip_high: float = 0.28
+    """Upper clip range of the policy ratio (1 + clip_high, "clip-higher")."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL term against the behaviour policy's log-probs."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap on trainer/behaviour ratios (0: off)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip (0: none)."""
+    loss_aggregation: str = "execution_mean"
+    """Token losses are averaged within each execution, then over executions (the only one so far)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the trainer divides its logits by it)."""
+
+    def __post_init__(self) -> None:
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"algorithm.learning_rate is {self.learning_rate}; expected a finite number > 0")
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"algorithm.clip_low is {self.clip_low}; expected in [0, 1)")
+        for name in ("clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"algorithm.{name} is {v}; expected a finite number >= 0")
+        if self.tis_cap != 0.0 and not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
+            raise ValueError(f"algorithm.tis_cap is {self.tis_cap}; expected 0 (off) or a finite number >= 1")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"algorithm.loss_aggregation is {self.loss_aggregation!r}; expected one of "
+                             f"{', '.join(LOSS_AGGREGATIONS)}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"algorithm.temperature is {self.temperature}; expected a finite number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """Held-out evaluation the scheduler runs for the job (``[job.evaluation]``).
+
+    Rounds run after 0, ``every``, 2 x ``every``, ... published steps and after the last one; each
+    round enqueues ``tasks`` held-out executions of the job's task family (split "heldout") that
+    any harness leases like rollouts, greedy when ``greedy``; they are scored by the job's scorer
+    and never trained on. The job completes after its last round.
+    """
+
+    tasks: int = 0
+    """Held-out executions per round (0: no evaluation)."""
+    every: int = 0
+    """Evaluate after every this many published steps (0: only before the first and after the last)."""
+    greedy: bool = True
+    """Greedy decoding (temperature 0) for evaluation executions."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tasks <= 10_000:
+            raise ValueError(f"evaluation.tasks is {self.tasks}; expected 0..10000")
+        if self.every < 0:
+            raise ValueError(f"evaluation.every is {self.every}; expected >= 0")
+
+    def after_steps(self, num_steps: int) -> tuple[int, ...]:
+        """Published-step counts after which a round runs (empty without evaluation)."""
+        if self.tasks == 0:
+            return ()
+        marks = set(range(0, num_steps, self.every)) if self.every else {0}
+        return tuple(sorted(marks | {num_steps}))
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    """A validated RL job. ``job_id`` is filled in by the scheduler when the client leaves it empty."""
+    """A validated RL job: all a client sends (``SubmitJob``; ``[job]`` of a TOML job file).
+
+    ``job_id`` is filled in by the scheduler when the client leaves it empty. The TOML file, the
+    proto message and this class share one schema: the same field names, nested the same way.
+    """
 
     job_id: str
     model: str
@@ -125,7 +214,11 @@ class JobSpec:
     timeout_policy: TimeoutPolicy = TimeoutPolicy.PARTIAL
     execution_timeout_s: float = 3600.0
     cell_ids: tuple[str, ...] = ()  # empty: every registered cell
-    algorithm: tuple[tuple[str, str], ...] = ()  # opaque to the scheduler; passed to the trainer
+    algorithm: Algorithm = field(default_factory=Algorithm)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    scorer: str = ""  # "builtin:NAME", "entry_point:module:function", "external:host:port"; "": the family's
+    harness: str = "builtin"  # who runs the executions: built-in harness workers, or an external harness
+    seed: int = 0  # seed of sampling and training (tasks are seeded by the task source's params)
     max_attempts: int = 3  # leases that may expire before the execution is marked failed
     # policy knobs (see ``policy.PolicyParams``)
     async_rollout_cells: int | None = None
@@ -167,9 +260,17 @@ class JobSpec:
             raise ValueError("cell_ids lists a cell more than once")
         for cid in self.cell_ids:
             check_id(cid, "cell id")
-        for key, _ in self.algorithm:
-            if not key:
-                raise ValueError("algorithm parameter names must be non-empty")
+        if not isinstance(self.algorithm, Algorithm) or not isinstance(self.evaluation, Evaluation):
+            raise ValueError("algorithm and evaluation must be sections (tables), not values")
+        if self.harness not in HARNESSES:
+            raise ValueError(f"harness is {self.harness!r}; expected {' or '.join(HARNESSES)}")
+        if self.scorer:
+            kind, sep, target = self.scorer.partition(":")
+            if not sep or kind not in SCORER_KINDS or not target:
+                raise ValueError(f"scorer is {self.scorer!r}; expected builtin:NAME, entry_point:module:function "
+                                 "or external:host:port (or empty for the task family's own scorer)")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed is {self.seed}; expected 0 .. 2^63-1")
         self.policy_params()  # the policy validates its own knobs
 
     def policy_params(self) -> PolicyParams:
@@ -183,63 +284,111 @@ class JobSpec:
         """Executions per step."""
         return self.groups_per_step * self.group_size
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data in the shared schema (TOML [job], JSON in Redis)."""
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["tasks"] = {"payloads": [p.hex() for p in self.tasks.payloads], "generator": self.tasks.generator,
+                      "params": dict(self.tasks.params)}
+        d["mode"] = self.mode.value
+        d["timeout_policy"] = self.timeout_policy.value
+        d["cell_ids"] = list(self.cell_ids)
+        d["algorithm"] = asdict(self.algorithm)
+        d["evaluation"] = asdict(self.evaluation)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:
+        """Build from the shared schema; unknown or mistyped fields raise ValueError (one sentence).
+
+        ``tasks`` accepts {"generator": NAME, "params": {...}} or {"payloads": [hex, ...]}.
+        """
+        d = dict(d)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown job field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        t = d.get("tasks")
+        if isinstance(t, Mapping):
+            extra = sorted(set(t) - {"payloads", "generator", "params"})
+            if extra:
+                raise ValueError(f"unknown tasks field(s) {', '.join(extra)}; known: generator, params, payloads")
+            params = t.get("params") or {}
+            if not isinstance(params, Mapping):
+                raise ValueError("tasks.params must be a table of name = value")
+            try:
+                payloads = tuple(bytes.fromhex(p) for p in t.get("payloads") or ())
+            except (TypeError, ValueError):
+                raise ValueError("tasks.payloads must be hex strings") from None
+            d["tasks"] = TaskSource(payloads=payloads, generator=str(t.get("generator") or ""),
+                                    params=tuple(sorted((str(k), str(v)) for k, v in params.items())))
+        elif not isinstance(t, TaskSource):
+            raise ValueError("tasks is required: a table with generator = NAME (and params), or payloads")
+        for name, section in (("algorithm", Algorithm), ("evaluation", Evaluation)):
+            v = d.get(name)
+            if v is None or isinstance(v, section):
+                continue
+            if not isinstance(v, Mapping):
+                raise ValueError(f"{name} must be a table")
+            d[name] = _section(section, v, name)
+        try:
+            if "mode" in d and not isinstance(d["mode"], Mode):
+                d["mode"] = Mode(d["mode"])
+        except ValueError:
+            raise ValueError(f"mode is {d['mode']!r}; expected colocate, async or elastic") from None
+        try:
+            if "timeout_policy" in d and not isinstance(d["timeout_policy"], TimeoutPolicy):
+                d["timeout_policy"] = TimeoutPolicy(d["timeout_policy"])
+        except ValueError:
+            raise ValueError(f"timeout_policy is {d['timeout_policy']!r}; expected partial, zero or exclude") from None
+        if "cell_ids" in d:
+            d["cell_ids"] = tuple(d["cell_ids"])
+        _check_types(cls, d, "")
+        missing = [n for n in ("job_id", "model", "num_steps", "groups_per_step", "group_size", "mode") if n not in d]
+        if missing:
+            raise ValueError(f"job field(s) {', '.join(missing)} are required")
+        return cls(**d)
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "job_id": self.job_id,
-                "model": self.model,
-                "tasks": {
-                    "payloads": [p.hex() for p in self.tasks.payloads],
-                    "generator": self.tasks.generator,
-                    "params": [list(kv) for kv in self.tasks.params],
-                },
-                "num_steps": self.num_steps,
-                "groups_per_step": self.groups_per_step,
-                "group_size": self.group_size,
-                "mode": self.mode.value,
-                "staleness_bound": self.staleness_bound,
-                "timeout_policy": self.timeout_policy.value,
-                "execution_timeout_s": self.execution_timeout_s,
-                "cell_ids": list(self.cell_ids),
-                "algorithm": [list(kv) for kv in self.algorithm],
-                "max_attempts": self.max_attempts,
-                "async_rollout_cells": self.async_rollout_cells,
-                "min_rollout_cells": self.min_rollout_cells,
-                "consolidate_threshold": self.consolidate_threshold,
-                "execution_kv_tokens": self.execution_kv_tokens,
-                "rollout_batches": self.rollout_batches,
-            },
-            sort_keys=True,
-        )
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobSpec:
-        d = json.loads(raw)
-        t = d["tasks"]
-        return cls(
-            job_id=d["job_id"],
-            model=d["model"],
-            tasks=TaskSource(
-                payloads=tuple(bytes.fromhex(p) for p in t["payloads"]),
-                generator=t["generator"],
-                params=tuple((k, v) for k, v in t["params"]),
-            ),
-            num_steps=d["num_steps"],
-            groups_per_step=d["groups_per_step"],
-            group_size=d["group_size"],
-            mode=Mode(d["mode"]),
-            staleness_bound=d["staleness_bound"],
-            timeout_policy=TimeoutPolicy(d["timeout_policy"]),
-            execution_timeout_s=d["execution_timeout_s"],
-            cell_ids=tuple(d["cell_ids"]),
-            algorithm=tuple((k, v) for k, v in d["algorithm"]),
-            max_attempts=d["max_attempts"],
-            async_rollout_cells=d["async_rollout_cells"],
-            min_rollout_cells=d["min_rollout_cells"],
-            consolidate_threshold=d["consolidate_threshold"],
-            execution_kv_tokens=d["execution_kv_tokens"],
-            rollout_batches=d.get("rollout_batches", False),
-        )
+        return cls.from_dict(json.loads(raw))
+
+
+_NUMBER = (int, float)
+
+
+def _check_types(cls: type, d: Mapping[str, Any], prefix: str) -> None:
+    """Refuse values of the wrong type with the field's name (TOML/JSON give str/int/float/bool)."""
+    hints = {f.name: f.type for f in fields(cls)}
+    for name, value in d.items():
+        hint = str(hints.get(name, ""))
+        if value is None:
+            if "None" not in hint:
+                raise ValueError(f"{prefix}{name} must be set (got nothing)")
+            continue
+        ok = True
+        if hint.startswith("int"):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif hint.startswith("float"):
+            ok = isinstance(value, _NUMBER) and not isinstance(value, bool)
+        elif hint == "bool":
+            ok = isinstance(value, bool)
+        elif hint == "str":
+            ok = isinstance(value, str)
+        if not ok:
+            raise ValueError(f"{prefix}{name} is {value!r}; expected {hint.split(' ')[0]}")
+
+
+def _section(cls: type[Any], values: Mapping[str, Any], name: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    _check_types(cls, values, f"{name}.")
+    floats = {f.name for f in fields(cls) if str(f.type).startswith("float")}
+    return cls(**{k: float(v) if k in floats else v for k, v in values.items()})
 
 
 @dataclass(frozen=True)
@@ -280,6 +429,15 @@ class Lease:
     deadline_s: float  # the harness must end the execution (as timeout if need be) by then
     lease_ttl_s: float
     lease_expires_s: float
+    evaluation: bool = False  # a held-out evaluation execution: never trained on
+    greedy: bool = False  # decode greedily (evaluation executions of a greedy evaluation)
+    record_job_id: str = ""  # job id its model calls and score are recorded under ("" = job_id)
+    temperature: float | None = None  # the job's sampling temperature (0: greedy); None: the harness's own
+
+
+def eval_job_id(job_id: str) -> str:
+    """The job id evaluation executions record their calls and scores under (kept out of training)."""
+    return f"{job_id}-eval"
 
 
 @dataclass(frozen=True)
@@ -320,6 +478,7 @@ class CellRecord:
     switch_migrate_to: tuple[str, ...] = ()  # rollout cells receiving its in-flight executions
     last_switch_s: float = 0.0  # duration of the last completed switch
     num_accelerators: int = 1
+    engine_address: str = ""  # the cell's rollout Engine (weights are published to it)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,29 @@ xadd(KEYS[3], ARGV[4], ARGV[3], 'step_started', 'step', step, 'executions', n)
 return {1, n}
 """
 
+# KEYS: job, queue, events   ARGV: round, exec_prefix, now, maxlen, job_id, after_step, weight_version,
+# then pairs (execution_id, payload). Enqueues evaluation round `round` once (queue score -1:
+# leased before any rollout); its executions count in eval_done:{round}, not in any step.
+ENQUEUE_EVAL = _PRELUDE + r"""
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return {-1} end
+if st ~= 'running' then return {-2, st} end
+local round = ARGV[1]
+if redis.call('HSETNX', KEYS[1], 'eval_size:' .. round, (#ARGV - 7) / 2) == 0 then return {2} end
+local n = 0
+for i = 8, #ARGV, 2 do
+  local eid = ARGV[i]
+  redis.call('HSET', ARGV[2] .. eid, 'job_id', ARGV[5], 'step', ARGV[6], 'group_id', 'eval' .. round,
+             'payload', ARGV[i + 1], 'state', 'queued', 'attempt', 0, 'token', '', 'eval_round', round)
+  redis.call('ZADD', KEYS[2], -1, eid)
+  n = n + 1
+end
+redis.call('HSET', KEYS[1], 'updated_ms', ARGV[3], 'eval_version:' .. round, ARGV[7])
+xadd(KEYS[3], ARGV[4], ARGV[3], 'evaluation_started', 'round', round, 'after_step', ARGV[6],
+     'weight_version', ARGV[7], 'tasks', n)
+return {1, n}
+"""
+
 # KEYS: job, queue, running, leases   ARGV: exec_prefix, now, ttl_ms, token, worker_id
 LEASE = r"""
 local st, timeout_ms = unpack(redis.call('HMGET', KEYS[1], 'state', 'execution_timeout_ms'))
@@ -85,8 +108,8 @@ redis.call('HSET', ek, 'state', 'leased', 'token', ARGV[4], 'worker_id', ARGV[5]
            'lease_expires_ms', expires, 'deadline_ms', deadline, 'leased_ms', now)
 redis.call('ZADD', KEYS[4], expires, eid)
 redis.call('SADD', KEYS[3], eid)
-local f = redis.call('HMGET', ek, 'step', 'group_id', 'payload')
-return {1, eid, attempt, deadline, expires, f[1], f[2], f[3]}
+local f = redis.call('HMGET', ek, 'step', 'group_id', 'payload', 'eval_round')
+return {1, eid, attempt, deadline, expires, f[1], f[2], f[3], f[4] or ''}
 """
 
 # KEYS: exec, leases, running, queue, job   ARGV: token, now, ttl_ms, execution_id
@@ -115,9 +138,18 @@ return {1, deadline, expires, cancelled}
 # ARGV: token, status, now, retention_ms, maxlen, execution_id, reason
 _FINISH_EXEC = r"""
 local function finish_exec(ek, jk, events, eid, status, now, retention, maxlen, reason, token)
-  local step, gid, attempt, job_id = unpack(redis.call('HMGET', ek, 'step', 'group_id', 'attempt', 'job_id'))
+  local step, gid, attempt, job_id, round = unpack(redis.call('HMGET', ek, 'step', 'group_id', 'attempt', 'job_id',
+      'eval_round'))
   redis.call('HSET', ek, 'state', status, 'completion_token', token, 'completed_ms', now, 'reason', reason)
   if tonumber(retention) > 0 then redis.call('PEXPIRE', ek, retention) end
+  if round then
+    -- a held-out evaluation execution: counted per round, never in the step's counters
+    local edone = redis.call('HINCRBY', jk, 'eval_done:' .. round, 1)
+    redis.call('HINCRBY', jk, 'eval_n_' .. status .. ':' .. round, 1)
+    xadd(events, maxlen, now, 'execution_completed', 'execution_id', eid, 'step', step, 'group_id', gid,
+         'status', status, 'attempt', attempt, 'reason', reason, 'evaluation', round)
+    return edone
+  end
   redis.call('HINCRBY', jk, 'n_' .. status, 1)
   local done = redis.call('HINCRBY', jk, 'done:' .. step, 1)
   xadd(events, maxlen, now, 'execution_completed', 'execution_id', eid, 'step', step, 'group_id', gid,
@@ -179,14 +211,17 @@ for _, eid in ipairs(expired) do
     elseif tonumber(attempt) >= tonumber(max_attempts) then
       -- the last allowed attempt went silent: it ends as a timeout, and the reward service scores
       -- it from its preserved workspace under the job's policy (the orchestrator drains the outbox)
-      local gid = redis.call('HGET', ek, 'group_id')
+      local gid, round = unpack(redis.call('HMGET', ek, 'group_id', 'eval_round'))
       finish_exec(ek, jk, events, eid, 'timeout', now, ARGV[5], ARGV[6],
                   'lease expired ' .. attempt .. ' times (last allowed attempt)', '')
-      redis.call('HSET', KEYS[2], eid, cjson.encode({job_id = job_id, step = tonumber(step), group_id = gid}))
+      redis.call('HSET', KEYS[2], eid, cjson.encode({job_id = job_id, step = tonumber(step), group_id = gid,
+                                                     evaluation = round and 1 or 0}))
       out[#out + 1] = eid; out[#out + 1] = 'timeout'
     else
       redis.call('HSET', ek, 'state', 'queued')
-      redis.call('ZADD', jk .. ':queue', tonumber(step), eid)
+      local prio = tonumber(step)
+      if redis.call('HEXISTS', ek, 'eval_round') == 1 then prio = -1 end
+      redis.call('ZADD', jk .. ':queue', prio, eid)
       redis.call('HINCRBY', jk, 'n_requeued', 1)
       xadd(events, ARGV[6], now, 'execution_requeued', 'execution_id', eid, 'step', step, 'attempt', attempt)
       out[#out + 1] = eid; out[#out + 1] = 'requeued'
@@ -251,7 +286,10 @@ local version = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'current_step', step + 1, 'weight_version', version, 'training_step', -1,
            'updated_ms', now)
 xadd(KEYS[2], ARGV[5], now, 'step_trained', 'step', step, 'weight_version', version)
-if step + 1 >= tonumber(nsteps) then
+if step + 1 >= tonumber(nsteps) and redis.call('HGET', KEYS[1], 'hold_completion') == '1' then
+  -- the job controller completes it after the final evaluation
+  redis.call('HSET', KEYS[1], 'training_done', 1)
+elseif step + 1 >= tonumber(nsteps) then
   redis.call('HSET', KEYS[1], 'state', 'completed', 'message', 'all steps trained')
   redis.call('SREM', KEYS[3], ARGV[6])
   xadd(KEYS[2], ARGV[5], now, 'job_state', 'state', 'completed', 'message', 'all steps trained')

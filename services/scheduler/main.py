@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from services.common.entry import Built, run_service
 from services.common.logging import get_logger
@@ -56,21 +58,49 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
                                   group_id=group_id, step=step)
             if not result.outcome_reported:  # the next Score of it re-sends the outcome
                 raise Unavailable(f"execution {execution_id!r} scored but its outcome did not reach trajectory yet")
+    instance_id = cfg.instance_id or f"{socket.gethostname()}-{os.getpid()}"
+    controller, clients = _job_controller(cfg, state, reward, server.port, instance_id)
     orchestrator = Orchestrator(
-        state, actuator, instance_id=cfg.instance_id or f"{socket.gethostname()}-{os.getpid()}",
+        state, actuator, instance_id=instance_id,
         tick_interval_s=cfg.tick_interval_s, leader_ttl_s=cfg.leader_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s,
         switch_timeout_s=cfg.switch_timeout_s, switch_workers=cfg.switch_workers,
         metrics_event_interval_s=cfg.metrics_event_interval_s, lease_ttl_s=cfg.lease_ttl_s,
-        timeout_scorer=timeout_scorer).start()
-    log.info("orchestrator started", actuator=cfg.actuator, instance_id=orchestrator.instance_id)
+        timeout_scorer=timeout_scorer, controller=controller).start()
+    if controller is not None:
+        controller.start()
+    log.info("orchestrator started", actuator=cfg.actuator, instance_id=orchestrator.instance_id,
+             job_controller=controller is not None)
 
     def on_shutdown() -> None:
+        if controller is not None:
+            controller.stop(cfg.grace_s)
         orchestrator.stop(cfg.grace_s)
         actuator.close()
+        for c in clients:
+            c.close()
         if reward is not None:
             reward.close()
 
     return server, on_shutdown
+
+
+def _job_controller(cfg: SchedulerConfig, state: Any, reward: Any, port: int,
+                    instance_id: str) -> tuple[Any, list[Any]]:
+    """The job controller when the scheduler knows the trainer, trajectory and reward services."""
+    if not (cfg.job_controller and cfg.trainer_address and cfg.trajectory_address and reward is not None):
+        return None, []
+    from services.scheduler.controller import JobController
+    from services.trainer.client import TrainerClient
+    from services.trajectory.client import TrajectoryClient
+
+    trainer = TrainerClient(cfg.trainer_address, timeout_s=cfg.actuator_timeout_s)
+    trajectory = TrajectoryClient(cfg.trajectory_address)
+    advertise = cfg.advertise_address or f"{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{port}"
+    root = cfg.checkpoint_dir or str(Path(cfg.spool_dir).resolve() / "checkpoints")
+    controller = JobController(state, trainer=trainer, trajectory=trajectory, reward=reward,
+                               trajectory_address=cfg.trajectory_address, scheduler_address=advertise, checkpoint_root=root,
+                               is_leader=lambda: state.leader() == instance_id, tick_interval_s=cfg.tick_interval_s)
+    return controller, [trainer, trajectory]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

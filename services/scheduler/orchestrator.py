@@ -39,6 +39,7 @@ from prometheus_client import Counter, Histogram
 from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
+from services.scheduler.controller import JobController
 from services.scheduler.jobs import CellRecord, EventKind, JobState, JobStatus, Role
 from services.scheduler.policy import Action, CellView, ClusterView, decide, may_start
 from services.scheduler.state import SchedulerState
@@ -86,8 +87,11 @@ class Orchestrator:
                  tick_interval_s: float = 0.5, leader_ttl_s: float = 10.0, cell_dead_after_s: float = 30.0,
                  switch_timeout_s: float = 600.0, switch_workers: int = 8,
                  metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0,
-                 timeout_scorer: TimeoutScorer | None = None) -> None:
+                 timeout_scorer: TimeoutScorer | None = None, controller: JobController | None = None) -> None:
         self.state = state
+        # The job controller (controller.py) prepares jobs and opens their trajectory steps; without
+        # one (API-only tests, a client that drives the services itself) steps are enqueued as is.
+        self.controller = controller
         self.actuator = actuator
         self.timeout_scorer = timeout_scorer
         self._scoring: Future[None] | None = None
@@ -242,7 +246,11 @@ class Orchestrator:
         spec, params = job.spec, job.spec.policy_params()
         step = job.enqueued_steps
         changed = False
+        if self.controller is not None and step < spec.num_steps and not self.controller.ready(job):
+            return job  # reward and trainer are not prepared yet: no rollout may start
         while step < spec.num_steps and may_start(step, job.weight_version, params, self._step_finished(job, step - 1)):
+            if self.controller is not None and not self.controller.open_step(job, step):
+                break  # the trajectory service must know the step before its first outcome arrives
             try:
                 payloads = step_payloads(spec, step)
             except ValueError as exc:

@@ -89,7 +89,7 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
 
     def LeaseExecution(self, request: pb.LeaseExecutionRequest,
                        context: grpc.ServicerContext) -> pb.LeaseExecutionResponse:
-        lease = self.api.lease(request.worker_id, request.job_id, request.wait_s)
+        lease = self.api.lease(request.worker_id, request.job_id, request.wait_s, harness=request.harness)
         if lease is None:
             return pb.LeaseExecutionResponse(leased=False)
         return pb.LeaseExecutionResponse(leased=True, lease=lease_to_proto(lease, self.api.job_spec(lease.job_id)))
@@ -115,7 +115,7 @@ class CellsServicer(scheduler_pb2_grpc.CellsServicer):
         cell, created = self.api.register_cell(
             cell_id=request.cell_id, address=request.address, host=request.host, role=role,  # type: ignore[arg-type]
             is_core=request.is_core, kv_capacity_tokens=request.kv_capacity_tokens,
-            num_accelerators=request.num_accelerators)
+            num_accelerators=request.num_accelerators, engine_address=request.engine_address)
         return pb.RegisterCellResponse(cell=cell_to_proto(cell), created=created)
 
     def CellHeartbeat(self, request: pb.CellHeartbeatRequest,

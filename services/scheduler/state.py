@@ -27,6 +27,11 @@ Key layout (prefix ``gyre:sched:``)::
     switches                  ZSET  cell_id -> switch_started_ms    (switches in flight)
     switch_log                STREAM  every finished / rolled-back switch with its duration
     leader                    STRING  instance id of the orchestrating scheduler (PX lease)
+    controlled                SET   jobs the job controller prepared and has not wound down yet
+
+    The job hash also holds the job controller's progress: ctl_prepared, ctl_trainer_starts,
+    training_done, hold_completion, eval_size:{round}, eval_done:{round}, eval_n_{status}:{round},
+    eval_result:{round} (JSON).
 
 Lease fencing: each lease gets a fresh random token; Heartbeat/CompleteExecution must present
 the execution's current token. An expired lease is re-queued keeping its token, so the original
@@ -59,6 +64,7 @@ from services.scheduler.jobs import (
     JobStatus,
     Lease,
     Role,
+    eval_job_id,
 )
 
 TERMINAL_EXEC = (ExecState.FINISHED, ExecState.TIMEOUT, ExecState.FAILED)
@@ -77,6 +83,7 @@ class Keys:
         self.switches = self._ns.key("switches")
         self.switch_log = self._ns.key("switch_log")
         self.leader = self._ns.key("leader")
+        self.controlled = self._ns.key("controlled")
         self.job_prefix = self._ns.key("job", "")
         self.exec_prefix = self._ns.key("exec", "")
         self.cell_prefix = self._ns.key("cell", "")
@@ -105,7 +112,12 @@ def execution_id(job_id: str, step: int, group: int, index: int) -> str:
     return f"{job_id}.s{step}.g{group}.e{index}"
 
 
-_EXEC_ID_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})\.s\d+\.g\d+\.e\d+$")
+def eval_execution_id(job_id: str, round_: int, index: int) -> str:
+    """Id of the ``index``-th held-out execution of evaluation round ``round_``: ``{job}.v{round}.t{index}``."""
+    return f"{job_id}.v{round_}.t{index}"
+
+
+_EXEC_ID_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})\.(?:s\d+\.g\d+\.e\d+|v\d+\.t\d+)$")
 
 
 def job_of_execution(execution_id_: str) -> str | None:
@@ -151,7 +163,7 @@ class SchedulerState:
         self.event_maxlen = event_maxlen
         self.retention_ms = int(retention_s * 1000)
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in (
-            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES",
+            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "ENQUEUE_EVAL", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES",
             "CANCEL_JOB", "REPORT_TRAINING", "REGISTER_CELL", "CELL_HEARTBEAT", "DEREGISTER_CELL",
             "BEGIN_SWITCH", "END_SWITCH", "JOB_SNAPSHOT", "ACQUIRE_LEADER", "RELEASE_LEADER")}
 
@@ -170,7 +182,8 @@ class SchedulerState:
             "enqueued_steps", 0, "training_step", -1, "num_steps", spec.num_steps,
             "group_size", spec.group_size, "groups_per_step", spec.groups_per_step,
             "execution_timeout_ms", int(spec.execution_timeout_s * 1000), "max_attempts", spec.max_attempts,
-            "message", "",
+            "message", "", "hold_completion", 1 if spec.evaluation.after_steps(spec.num_steps) else 0,
+            "harness", spec.harness,
         ]
         res = self._run("SUBMIT_JOB", [k.job(jid), k.jobs, k.events(jid), k.active],
                         [jid, self.now_ms(), self.event_maxlen, *fields])
@@ -193,6 +206,13 @@ class SchedulerState:
             totals={"finished": _i(n_fin), "timeout": _i(n_to), "failed": _i(n_fail), "requeued": _i(n_rq)},
             message=_s(msg),
         )
+
+    def job_harnesses(self, job_ids: Sequence[str]) -> list[str]:
+        """Who runs each job's executions ("builtin" or "external"), in the order given."""
+        pipe = self.r.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hget(self.keys.job(jid), "harness")
+        return [_s(h, "builtin") for h in pipe.execute()]
 
     def job_exists(self, job_id: str) -> bool:
         return bool(self.r.exists(self.keys.job(job_id)))
@@ -261,6 +281,48 @@ class SchedulerState:
             raise NotFound(f"job {spec.job_id!r} does not exist")
         return int(res[1]) if res[0] == 1 else 0
 
+    def enqueue_evaluation(self, spec: JobSpec, round_: int, after_step: int, weight_version: int,
+                           payloads: Sequence[bytes]) -> int:
+        """Enqueue evaluation round ``round_`` (one execution per payload) once; returns how many
+        were enqueued now (0 when the round already was)."""
+        args: list[object] = [round_, self.keys.exec_prefix, self.now_ms(), self.event_maxlen, spec.job_id,
+                              after_step, weight_version]
+        for i, payload in enumerate(payloads):
+            args += [eval_execution_id(spec.job_id, round_, i), payload]
+        k = self.keys
+        res = self._run("ENQUEUE_EVAL", [k.job(spec.job_id), k.queue(spec.job_id), k.events(spec.job_id)], args)
+        if res[0] == -1:
+            raise NotFound(f"job {spec.job_id!r} does not exist")
+        return int(res[1]) if res[0] == 1 else 0
+
+    def mark_controlled(self, job_id: str) -> None:
+        """The job controller prepared this job (it winds it down once the job ends)."""
+        self.r.sadd(self.keys.controlled, job_id)
+
+    def controlled_jobs(self) -> list[str]:
+        return sorted(_s(j) for j in self.r.smembers(self.keys.controlled))
+
+    def forget_controlled(self, job_id: str) -> None:
+        self.r.srem(self.keys.controlled, job_id)
+
+    def incr_controller_counter(self, job_id: str, name: str) -> int:
+        assert name.startswith("ctl_"), name
+        return int(self.r.hincrby(self.keys.job(job_id), name, 1))
+
+    def controller_fields(self, job_id: str) -> dict[str, str]:
+        """The job hash's fields the job controller reads (eval_*, training_done, ctl_*)."""
+        h = self.r.hgetall(self.keys.job(job_id))
+        return {_s(key): _s(v) for key, v in h.items()
+                if _s(key).startswith(("eval_", "ctl_", "training_done", "hold_completion"))}
+
+    def set_controller_field(self, job_id: str, name: str, value: str, *, only_new: bool = False) -> bool:
+        """Record controller progress in the job hash (``only_new``: keep an existing value)."""
+        assert name.startswith(("ctl_", "eval_result:")), name
+        if only_new:
+            return bool(self.r.hsetnx(self.keys.job(job_id), name, value))
+        self.r.hset(self.keys.job(job_id), name, value)
+        return True
+
     def done_in_step(self, job_id: str, step: int) -> int:
         """Executions of ``step`` that ended (any status)."""
         return _i(self.r.hget(self.keys.job(job_id), f"done:{step}"))
@@ -308,10 +370,11 @@ class SchedulerState:
                 if strict and _s(res[1]) in ("completed", "cancelled", "failed"):
                     raise FailedPrecondition(f"job {jid!r} is {_s(res[1])}; it has no more executions")
                 continue
-            _, eid, attempt, deadline, expires, step, gid, payload = res
+            _, eid, attempt, deadline, expires, step, gid, payload, round_ = res
             return Lease(execution_id=_s(eid), job_id=jid, step=_i(step), group_id=_s(gid),
                          payload=bytes(payload or b""), lease_token=token, attempt=int(attempt),
-                         deadline_s=int(deadline) / 1000, lease_ttl_s=ttl_s, lease_expires_s=int(expires) / 1000)
+                         deadline_s=int(deadline) / 1000, lease_ttl_s=ttl_s, lease_expires_s=int(expires) / 1000,
+                         evaluation=bool(_s(round_)))
         return None
 
     def _exec_job(self, execution_id_: str) -> str:
@@ -365,11 +428,14 @@ class SchedulerState:
 
     def unscored_timeouts(self, limit: int = 100) -> list[tuple[str, str, int, str]]:
         """Executions whose last lease expired and that the reward service has not scored yet:
-        (execution_id, job_id, step, group_id), oldest-first order not guaranteed."""
+        (execution_id, job_id, step, group_id), oldest-first order not guaranteed. An evaluation
+        execution's job id is the one it is scored under (``eval_job_id``)."""
         out = []
         for eid, raw in self.r.hscan_iter(self.keys.score_outbox, count=limit):
             info = json.loads(raw)
-            out.append((_s(eid), str(info["job_id"]), int(info["step"]), str(info.get("group_id") or "")))
+            job = str(info["job_id"])
+            out.append((_s(eid), eval_job_id(job) if info.get("evaluation") else job, int(info["step"]),
+                        str(info.get("group_id") or "")))
             if len(out) >= limit:
                 break
         return out
@@ -396,7 +462,7 @@ class SchedulerState:
     # ---------------------------------------------------------------- cells
 
     def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
-                      kv_capacity_tokens: int, num_accelerators: int = 1) -> bool:
+                      kv_capacity_tokens: int, num_accelerators: int = 1, engine_address: str = "") -> bool:
         """Register (or re-register) a cell; True when it is new."""
         if role not in (Role.ROLLOUT, Role.TRAIN, Role.IDLE):
             raise InvalidArgument(f"a cell registers as rollout, train or idle, not {role.value}")
@@ -405,7 +471,7 @@ class SchedulerState:
         res = self._run("REGISTER_CELL", [self.keys.cell(cell_id), self.keys.cells],
                         [cell_id, self.now_ms(), role.value, "address", address, "host", host,
                          "is_core", int(is_core), "kv_capacity_tokens", kv_capacity_tokens,
-                         "num_accelerators", num_accelerators])
+                         "num_accelerators", num_accelerators, "engine_address", engine_address])
         return bool(res[1])
 
     def cell_heartbeat(self, cell_id: str, *, inflight: int, kv_used_tokens: int, kv_capacity_tokens: int,
@@ -492,6 +558,10 @@ class SchedulerState:
         fields: dict[str, object] = {"kind": kind, "ts_ms": self.now_ms(), **attrs}
         return _s(self.r.xadd(self.keys.events(job_id), fields, maxlen=self.event_maxlen, approximate=True))
 
+    def leader(self) -> str:
+        """Instance id of the orchestrating scheduler ("" when none holds the lead)."""
+        return _s(self.r.get(self.keys.leader))
+
     def acquire_leader(self, instance_id: str, ttl_s: float) -> bool:
         return bool(self._run("ACQUIRE_LEADER", [self.keys.leader], [instance_id, int(ttl_s * 1000)]))
 
@@ -524,5 +594,5 @@ def _cell(cell_id: str, h: dict[Any, Any]) -> CellRecord:
         switch_job_id=_s(g("switch_job_id")),
         switch_migrate_to=tuple(t for t in _s(g("switch_migrate_to")).split(",") if t),
         last_switch_s=_i(g("last_switch_ms")) / 1000,
-        num_accelerators=_i(g("num_accelerators"), 1),
+        num_accelerators=_i(g("num_accelerators"), 1), engine_address=_s(g("engine_address")),
     )

@@ -1,88 +1,101 @@
 """Task sources: the payload each group of a step runs (pluggable by name).
 
 A job names its tasks either explicitly (payloads, cycled over groups and steps) or by a
-generator registered here. A generator is ``fn(params, step, groups) -> list[bytes]`` (one opaque
-payload per group of that step; deterministic, so re-enqueueing a step after a crash produces the
-same tasks). Generators are looked up by name in ``TASK_GENERATORS`` or as ``module:function``.
+generator. A generator is ``fn(params, step, groups) -> list[bytes]`` (one opaque payload per group
+of that step; deterministic, so re-enqueueing a step after a crash produces the same tasks). A
+generator name is, in this order of lookup:
 
-Built in:
+* one registered here (`register_task_generator`), built in: ``external`` - JSON
+  ``{"step": s, "group": g, "index": i, "external": true}`` with ``i = s * groups + g``, for
+  executions whose harness lives outside Gyre (no task family);
+* a task family of services.task.registry (``xlong-v1``, ``arith-v1``, ``numbered``, ... see
+  services/task/families/); its generator is imported only when a job uses it, so the scheduler
+  never imports task code at start;
+* ``module:function``.
 
-* ``xlong-v1`` - the built-in XLong task family (``services.task.spec``). Payload: JSON
-  ``{"task_id": "xlong-v1/<split>/<seed>/<knobs>"}``; the harness and the reward scorer rebuild the
-  task from its id. Params: ``split`` (train), ``start_seed`` (0) and any ``TaskParams`` knob
-  (num_modules, min_ops, max_ops, call_pct, visible_tests, hidden_tests). Group ``g`` of step ``s``
-  gets seed ``start_seed + s * groups + g``.
-* ``arith-v1`` - multi-turn arithmetic for real instruct models (``services.task.arith``); same
-  payload shape; params ``split``, ``start_seed``, ``turns``, ``max_operand``.
-* ``numbered`` - JSON ``{"step": s, "group": g, "index": i}`` with ``i = s * groups + g`` (demos, tests).
+``TASK_GENERATORS`` is the table of the first two (registered names shadow family names).
+
+`heldout_payloads` asks a family for its held-out evaluation tasks.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
 from services.scheduler.jobs import MAX_PAYLOAD_BYTES, JobSpec
+from services.task import registry
 
 TaskGenerator = Callable[[Mapping[str, str], int, int], list[bytes]]
 
 
-def _numbered(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
+def _external(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
     if params:
-        raise ValueError(f"generator 'numbered' takes no params, got {sorted(params)}")
-    return [json.dumps({"step": step, "group": g, "index": step * groups + g}).encode() for g in range(groups)]
+        raise ValueError(f"generator 'external' takes no params, got {sorted(params)}")
+    return [json.dumps({"step": step, "group": g, "index": step * groups + g, "external": True}).encode()
+            for g in range(groups)]
 
 
-_XLONG_KNOBS = ("num_modules", "min_ops", "max_ops", "call_pct", "visible_tests", "hidden_tests")
+class _GeneratorTable(MutableMapping[str, TaskGenerator]):
+    """Every generator by name: those registered here over the task families' (loaded on lookup)."""
+
+    def __init__(self, own: dict[str, TaskGenerator]) -> None:
+        self._own = own
+
+    def __getitem__(self, name: str) -> TaskGenerator:
+        if name in self._own:
+            return self._own[name]
+        family = registry.families().get(name)
+        if family is None:
+            raise KeyError(name)
+        return registry.load(family.generator)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._own or name in registry.families()  # without importing the generator
+
+    def __setitem__(self, name: str, fn: TaskGenerator) -> None:
+        self._own[name] = fn
+
+    def __delitem__(self, name: str) -> None:
+        del self._own[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted({*self._own, *registry.families()}))
+
+    def __len__(self) -> int:
+        return len({*self._own, *registry.families()})
 
 
-def _xlong(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
-    from services.task.spec import TaskParams, task_ids  # late: only jobs that use it pay the import
-
-    unknown = set(params) - {"split", "start_seed", *_XLONG_KNOBS}
-    if unknown:
-        raise ValueError(f"generator 'xlong-v1' got unknown params {sorted(unknown)}; "
-                         f"known: split, start_seed, {', '.join(_XLONG_KNOBS)}")
-    try:
-        knobs = TaskParams(**{k: int(params[k]) for k in _XLONG_KNOBS if k in params})
-        start = int(params.get("start_seed", "0")) + step * groups
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"generator 'xlong-v1' params are invalid: {exc}") from None
-    ids = task_ids(groups, split=params.get("split", "train"), params=knobs, start_seed=start)
-    return [json.dumps({"task_id": t}).encode() for t in ids]
-
-
-def _arith(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
-    from services.task.arith import task_generator  # late: only jobs that use it pay the import
-
-    return task_generator(params, step, groups)
-
-
-TASK_GENERATORS: dict[str, TaskGenerator] = {"numbered": _numbered, "xlong-v1": _xlong, "arith-v1": _arith}
+TASK_GENERATORS: MutableMapping[str, TaskGenerator] = _GeneratorTable({"external": _external})
 
 
 def register_task_generator(name: str, fn: TaskGenerator) -> None:
-    """Make ``fn`` available to jobs as generator ``name``."""
+    """Make ``fn`` available to jobs as generator ``name`` (ahead of a task family of that name)."""
     if not name or ":" in name:
         raise ValueError(f"generator name {name!r} must be non-empty and contain no ':'")
     TASK_GENERATORS[name] = fn
 
 
 def resolve_generator(name: str) -> TaskGenerator:
-    """The generator called ``name`` (registered, or ``module:function``); ValueError if none."""
+    """The generator called ``name`` (registered, a task family, or ``module:function``); ValueError if none."""
     if name in TASK_GENERATORS:
         return TASK_GENERATORS[name]
-    module, sep, attr = name.partition(":")
-    if sep and module and attr:
+    if ":" in name:
         try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"task generator {name!r} cannot be imported: {exc}") from None
-        if callable(fn):
-            return fn  # type: ignore[no-any-return]
-    raise ValueError(f"unknown task generator {name!r}; known: {', '.join(sorted(TASK_GENERATORS))} "
-                     f"(or give module:function)")
+            return registry.load(name)
+        except ValueError as exc:
+            raise ValueError(f"task generator {exc}") from None
+    raise ValueError(f"unknown task generator {name!r}; known: {', '.join(TASK_GENERATORS)} "
+                     "(or give module:function)")
+
+
+def _checked(out: list[bytes], name: str, want: int) -> list[bytes]:
+    if len(out) != want:
+        raise ValueError(f"task generator {name!r} returned {len(out)} payloads, expected {want}")
+    for p in out:
+        if not isinstance(p, bytes) or len(p) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"task generator {name!r} must return payloads of bytes, at most {MAX_PAYLOAD_BYTES} each")
+    return out
 
 
 def step_payloads(spec: JobSpec, step: int) -> list[bytes]:
@@ -92,13 +105,21 @@ def step_payloads(spec: JobSpec, step: int) -> list[bytes]:
         pool = spec.tasks.payloads
         return [pool[(step * groups + g) % len(pool)] for g in range(groups)]
     out = resolve_generator(spec.tasks.generator)(dict(spec.tasks.params), step, groups)
-    if len(out) != groups:
-        raise ValueError(f"task generator {spec.tasks.generator!r} returned {len(out)} payloads for {groups} groups")
-    for p in out:
-        if not isinstance(p, bytes) or len(p) > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"task generator {spec.tasks.generator!r} must return bytes of at most "
-                             f"{MAX_PAYLOAD_BYTES} per group")
-    return out
+    return _checked(out, spec.tasks.generator, groups)
+
+
+def heldout_payloads(generator_name: str, params: Mapping[str, str], n: int) -> list[bytes]:
+    """``n`` held-out evaluation payloads of the task family ``generator_name`` (deterministic)."""
+    if n < 1:
+        raise ValueError(f"need at least one held-out task, got n={n}")
+    families = registry.families()
+    if generator_name not in families:
+        raise ValueError(f"generator {generator_name!r} is not a task family, so it has no held-out tasks; "
+                         f"families: {', '.join(families)}")
+    family = families[generator_name]
+    if not family.heldout:
+        raise ValueError(f"task family {generator_name!r} has no held-out tasks")
+    return _checked(registry.load(family.heldout)(dict(params), n), generator_name, n)
 
 
 def validate_task_source(spec: JobSpec) -> None:

@@ -1,5 +1,9 @@
-"""The built-in XLong task family and its agent harness.
+"""Gyre's task families (the built-in XLong family, arith-v1) and the agent harness.
 
+    registry.py     TaskFamily and the family table: what the scheduler, reward and harness name
+                    (light to import: dotted paths, resolved late)
+    families/       one module per family, each declaring FAMILY = TaskFamily(...)
+    arith.py        arith-v1: multi-turn arithmetic chat for real instruct models
     dsl.py          GyreStack, the tiny stack language modules are written in (safe interpreter)
     spec.py         task generator: "build a small repo" of modules with tests, from a task id
     prompts.py      every segment of text the agent shows the model

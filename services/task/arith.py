@@ -52,7 +52,8 @@ from services.task.agent import CallContext, ExecutionTimeout, ModelClient, Samp
 from services.task.chat_context import ChatContext
 
 __all__ = ["ArithParams", "ArithTask", "ArithConfig", "ArithResult", "ArithEval", "generate_task", "task_from_id",
-           "task_ids", "score_answers", "score", "task_generator", "run_arith_execution", "evaluate", "parse_answer"]
+           "task_ids", "score_answers", "score", "task_generator", "heldout_tasks", "run_arith_execution", "evaluate",
+           "parse_answer"]
 
 FAMILY = "arith-v1"
 SPLITS = ("train", "heldout")
@@ -163,19 +164,33 @@ def task_ids(n: int, *, split: str = "train", params: ArithParams = ArithParams(
     return [f"{FAMILY}/{split}/{seed}/{params.code}" for seed in range(start_seed, start_seed + n)]
 
 
-def task_generator(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
-    """Scheduler task source ``services.task.arith:task_generator``: payload ``{"task_id": ...}`` per
-    group; params ``split`` (train), ``start_seed`` (0), ``turns``, ``max_operand``."""
+def _knobs(params: Mapping[str, str]) -> ArithParams:
     unknown = set(params) - {"split", "start_seed", "turns", "max_operand"}
     if unknown:
         raise ValueError(f"generator arith-v1 got unknown params {sorted(unknown)}; "
                          "known: split, start_seed, turns, max_operand")
     try:
-        knobs = ArithParams(**{k: int(params[k]) for k in ("turns", "max_operand") if k in params})
-        start = int(params.get("start_seed", "0")) + step * groups
+        return ArithParams(**{k: int(params[k]) for k in ("turns", "max_operand") if k in params})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"generator arith-v1 params are invalid: {exc}") from None
+
+
+def task_generator(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
+    """Training tasks of a job (task family ``arith-v1``): payload ``{"task_id": ...}`` per group;
+    params ``split`` (train), ``start_seed`` (0), ``turns``, ``max_operand``."""
+    knobs = _knobs(params)
+    try:
+        start = int(params.get("start_seed", "0")) + step * groups
+    except ValueError as exc:
+        raise ValueError(f"generator arith-v1 params are invalid: {exc}") from None
     ids = task_ids(groups, split=params.get("split", "train"), params=knobs, start_seed=start)
+    return [json.dumps({"task_id": t}).encode() for t in ids]
+
+
+def heldout_tasks(params: Mapping[str, str], n: int) -> list[bytes]:
+    """The first ``n`` held-out tasks with the job's knobs (``split`` and ``start_seed`` pick training
+    tasks and are ignored here, so every evaluation of a job sees the same set)."""
+    ids = task_ids(n, split="heldout", params=_knobs(params))
     return [json.dumps({"task_id": t}).encode() for t in ids]
 
 
@@ -215,7 +230,8 @@ def score_answers(task: ArithTask, replies: Sequence[str]) -> ArithScore:
 
 
 def score(files: Mapping[str, bytes], task_id: str, status: str) -> dict[str, Any]:
-    """Reward-service entry point (``services.task.arith:score``): grade ``answers.json`` of a workspace."""
+    """Builtin reward scorer ``arith-v1`` (also an entry point, ``services.task.arith:score``): grade
+    ``answers.json`` of a workspace."""
     task = task_from_id(task_id)
     try:
         replies = json.loads(files.get(ANSWERS_PATH, b"[]").decode("utf-8"))

@@ -16,9 +16,11 @@ Each of N worker threads loops:
 It is the same path an external harness takes: nothing here knows about cells, migrations or
 training. A model-call failure that survives the retries ends the execution as `failed`.
 
-The task id's family picks the agent: ``xlong-v1/...`` runs the XLong agent (services.task.agent)
-with the built-in tokenizer (or ``model_dir``'s), ``arith-v1/...`` the multi-turn arithmetic chat
-(services.task.arith) through ``model_dir``'s tokenizer and chat template (a real instruct model).
+The task id's family (services.task.registry, by the id's first segment) picks the runner:
+``xlong-v1/...`` runs the XLong agent with the built-in tokenizer (or ``model_dir``'s),
+``arith-v1/...`` the multi-turn arithmetic chat through ``model_dir``'s tokenizer and chat template
+(a real instruct model). A runner is ``fn(harness, lease, task_id, *, preserve, cancelled) ->
+RunOutcome``; see services/task/families/.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,14 +41,27 @@ import numpy as np
 from services.common import errors
 from services.common.config import load_config
 from services.common.logging import get_logger, setup_logging
-from services.task.agent import CallContext, Generation, Sampling, run_execution
+from services.task import registry
+from services.task.agent import CallContext, Generation, Sampling
 from services.task.config import HarnessConfig
-from services.task.spec import task_from_id
 from services.task.tokenizer import Codec
 
 log = get_logger(__name__)
 
-__all__ = ["HarnessConfig", "GatewayModelClient", "Harness", "main"]
+__all__ = ["HarnessConfig", "GatewayModelClient", "Harness", "RunOutcome", "main"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOutcome:
+    """How one execution ended, as a family's runner reports it to the harness."""
+
+    status: str
+    """finished, timeout or failed (services.scheduler.jobs.ExecState)."""
+    error: str = ""
+    files: dict[str, bytes] = field(default_factory=dict)
+    """The final workspace, sent to reward before scoring."""
+    log: dict[str, Any] = field(default_factory=dict)
+    """Extra fields of the "execution ended" log line (token counts, turns, ...)."""
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -150,7 +166,9 @@ class Harness:
     def _worker(self) -> None:
         while not self.stopping.is_set():
             try:
-                lease = self.scheduler.lease(self.worker_id, job_id=self.cfg.job_id, wait_s=self.cfg.lease_wait_s)
+                # without a job id: any running job whose executions built-in harnesses run
+                lease = self.scheduler.lease(self.worker_id, job_id=self.cfg.job_id, wait_s=self.cfg.lease_wait_s,
+                                             harness="" if self.cfg.job_id else "builtin")
             except errors.GyreError as exc:
                 log.warning("lease failed", error=str(exc))
                 self.stopping.wait(1.0 + random.random())
@@ -183,16 +201,16 @@ class Harness:
                 self._chat_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_dir)
             return self._chat_tokenizer
 
-    def _run_arith(self, lease: Any, task_id: str, preserve: Any, cancelled: threading.Event) -> Any:
-        from services.task.arith import ArithConfig, run_arith_execution
-        from services.task.arith import task_from_id as arith_task
+    def temperature(self, lease: Any) -> float:
+        """Sampling temperature of one execution: the job's (0 for a greedy evaluation), else ours."""
+        t = getattr(lease, "temperature", None)
+        return self.cfg.temperature if t is None else float(t)
 
-        task = arith_task(task_id)
-        config = ArithConfig(temperature=self.cfg.temperature, timeout_s=self.cfg.timeout_s)
-        deadline = min(lease.deadline_s, time.time() + self.cfg.timeout_s) if lease.deadline_s else None
-        return run_arith_execution(task, self.model, self.chat_tokenizer(), config=config, job_id=lease.job_id,
-                                   execution_id=lease.execution_id, deadline_s=deadline, clock=time.time,
-                                   on_progress=preserve, cancelled=cancelled)
+    @staticmethod
+    def record_job(lease: Any) -> str:
+        """The job id an execution's calls and score are recorded under (evaluations: ``<job>-eval``,
+        kept out of training)."""
+        return getattr(lease, "record_job_id", "") or lease.job_id
 
     def _timeout_policy(self, job_id: str) -> str:
         """The job's timeout policy (from its spec, once per job); "" lets reward use its default."""
@@ -221,7 +239,8 @@ class Harness:
         from services.scheduler.jobs import ExecState
 
         eid = lease.execution_id
-        blog = log.bind(job_id=lease.job_id, execution_id=eid)
+        job = self.record_job(lease)
+        blog = log.bind(job_id=lease.job_id, execution_id=eid, evaluation=bool(getattr(lease, "evaluation", False)))
         cancelled, ended = threading.Event(), threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(lease, cancelled, ended), daemon=True)
         beat.start()
@@ -231,21 +250,14 @@ class Harness:
             task_id = str(json.loads(lease.payload)["task_id"])
 
             def preserve(snapshot: dict[str, bytes]) -> None:
-                self.reward.submit_workspace(lease.job_id, eid, snapshot, task_id=task_id)
+                self.reward.submit_workspace(job, eid, snapshot, task_id=task_id)
 
-            if task_id.startswith("arith-v1/"):
-                arith = self._run_arith(lease, task_id, preserve, cancelled)
-                status, reason, files = arith.status, arith.error, arith.files
-                blog.info("execution ended", status=status, turns=len(arith.replies), reward=arith.reward,
-                          prompt_tokens=arith.prompt_tokens, output_tokens=arith.output_tokens)
-            else:
-                task = task_from_id(task_id)
-                result = run_execution(task, self.model, codec=self.codec, config=self.cfg.agent,
-                                       job_id=lease.job_id, execution_id=eid, deadline_s=lease.deadline_s,
-                                       clock=time.time, on_progress=preserve, cancelled=cancelled)
-                status, reason, files = result.status, result.error, result.files
-                blog.info("execution ended", status=status, calls=dict(result.calls), events=dict(result.events),
-                          prompt_tokens=result.prompt_tokens, output_tokens=result.output_tokens)
+            family = registry.family_of_task(task_id)
+            if not family.runner:
+                raise ValueError(f"task family {family.name!r} has no harness runner")
+            outcome = registry.load(family.runner)(self, lease, task_id, preserve=preserve, cancelled=cancelled)
+            status, reason, files = outcome.status, outcome.error, outcome.files
+            blog.info("execution ended", status=status, family=family.name, **outcome.log)
         except (ValueError, KeyError, TypeError) as exc:
             reason = f"bad task payload: {exc}"
             blog.warning("bad task payload", error=str(exc))
@@ -257,8 +269,8 @@ class Harness:
             self.model.forget(eid)
         try:
             if files:
-                self.reward.submit_workspace(lease.job_id, eid, files, task_id=task_id)
-            self.reward.score(lease.job_id, eid, status, timeout_policy=self._timeout_policy(lease.job_id),
+                self.reward.submit_workspace(job, eid, files, task_id=task_id)
+            self.reward.score(job, eid, status, timeout_policy=self._timeout_policy(lease.job_id),
                               group_id=lease.group_id, step=lease.step, task_id=task_id)
         except errors.FailedPrecondition:
             pass  # already scored (a re-leased attempt of an execution that another attempt finished)

@@ -1,7 +1,8 @@
 """Grading a built-in XLong workspace: run every test (visible and hidden) of every module.
 
-The reward service's built-in scorers call `score_workspace`; evaluation uses it too, so "pass
-rate" means the same everywhere: an execution *passes* when every test of every module passes.
+The reward service's builtin scorers ``xlong-v1`` (`score`) and ``xlong-v1-tests`` (`score_tests`,
+no attempt discount) wrap `score_workspace`; evaluation uses it too, so "pass rate" means the same
+everywhere: an execution *passes* when every test of every module passes.
 
 Reward (partial credit): each module earns the fraction of its tests that pass, discounted by
 ``ATTEMPT_DISCOUNT ** (attempts - 1)`` when the harness recorded how many attempts the module took
@@ -18,11 +19,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from services.task.dsl import DslError, run_program
-from services.task.spec import TaskSpec
+from services.task.spec import TaskSpec, task_from_id
 
-__all__ = ["ModuleScore", "TaskScore", "score_workspace", "ATTEMPTS_PATH", "ATTEMPT_DISCOUNT"]
+__all__ = ["ModuleScore", "TaskScore", "score_workspace", "score", "score_tests", "ATTEMPTS_PATH", "ATTEMPT_DISCOUNT"]
 
 _MAX_CODE_BYTES = 4096
 ATTEMPTS_PATH = "harness/attempts.json"
@@ -114,3 +116,29 @@ def score_workspace(task: TaskSpec, files: Mapping[str, bytes], *, discount: flo
         credit = passed / len(m.tests) * discount ** (n - 1)
         scores.append(ModuleScore(m.name, passed, len(m.tests), error, n, credit))
     return TaskScore(tuple(scores))
+
+
+def _verdict(result: TaskScore) -> dict[str, Any]:
+    """A `TaskScore` in the form reward scorers return (services.reward.scorers.parse_output)."""
+    return {
+        "score": result.reward,
+        "tests_passed": result.passed,
+        "tests_total": result.total,
+        "modules": [[m.name, m.passed, m.total, m.error] for m in result.modules],
+        "metrics": {
+            "all_passed": float(result.all_passed),
+            "tests_fraction": result.tests_fraction,
+            "modules_passed": float(sum(m.ok for m in result.modules)),
+            "attempts": float(sum(m.attempts for m in result.modules)),
+        },
+    }
+
+
+def score(files: Mapping[str, bytes], task_id: str, status: str) -> dict[str, Any]:
+    """Builtin reward scorer ``xlong-v1``: tests passing, each module discounted by its attempts."""
+    return _verdict(score_workspace(task_from_id(task_id), files, discount=ATTEMPT_DISCOUNT))
+
+
+def score_tests(files: Mapping[str, bytes], task_id: str, status: str) -> dict[str, Any]:
+    """Builtin reward scorer ``xlong-v1-tests``: the plain fraction of tests passing."""
+    return _verdict(score_workspace(task_from_id(task_id), files, discount=1.0))

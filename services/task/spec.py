@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from services.task.dsl import run_program
 
-__all__ = ["TaskParams", "ModuleSpec", "TaskSpec", "generate_task", "task_from_id", "task_ids", "SPLITS"]
+__all__ = ["TaskParams", "ModuleSpec", "TaskSpec", "generate_task", "task_from_id", "task_ids", "task_generator",
+           "heldout_tasks", "SPLITS"]
 
 SPLITS = ("train", "heldout")
 _ID_RE = re.compile(r"^xlong-v1/(train|heldout)/(\d{1,12})/m(\d+)\.s(\d+)-(\d+)\.c(\d+)\.t(\d+)\.h(\d+)$")
@@ -208,3 +210,39 @@ def task_from_id(task_id: str) -> TaskSpec:
 def task_ids(n: int, *, split: str = "train", params: TaskParams = TaskParams(), start_seed: int = 0) -> list[str]:
     """Ids of `n` consecutive tasks of a split (what a job's task source hands the scheduler)."""
     return [f"xlong-v1/{split}/{seed}/{params.code}" for seed in range(start_seed, start_seed + n)]
+
+
+_KNOBS = ("num_modules", "min_ops", "max_ops", "call_pct", "visible_tests", "hidden_tests")
+
+
+def _knobs(params: Mapping[str, str]) -> TaskParams:
+    unknown = set(params) - {"split", "start_seed", *_KNOBS}
+    if unknown:
+        raise ValueError(f"generator 'xlong-v1' got unknown params {sorted(unknown)}; "
+                         f"known: split, start_seed, {', '.join(_KNOBS)}")
+    try:
+        return TaskParams(**{k: int(params[k]) for k in _KNOBS if k in params})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"generator 'xlong-v1' params are invalid: {exc}") from None
+
+
+def task_generator(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
+    """Training tasks of a job (task family ``xlong-v1``): payload ``{"task_id": ...}`` per group.
+
+    Params: ``split`` (train), ``start_seed`` (0) and any `TaskParams` knob. Group ``g`` of step
+    ``s`` gets seed ``start_seed + s * groups + g``.
+    """
+    knobs = _knobs(params)
+    try:
+        start = int(params.get("start_seed", "0")) + step * groups
+    except ValueError as exc:
+        raise ValueError(f"generator 'xlong-v1' params are invalid: {exc}") from None
+    ids = task_ids(groups, split=params.get("split", "train"), params=knobs, start_seed=start)
+    return [json.dumps({"task_id": t}).encode() for t in ids]
+
+
+def heldout_tasks(params: Mapping[str, str], n: int) -> list[bytes]:
+    """The first ``n`` held-out tasks with the job's knobs (``split`` and ``start_seed`` pick training
+    tasks and are ignored here, so every evaluation of a job sees the same set)."""
+    ids = task_ids(n, split="heldout", params=_knobs(params))
+    return [json.dumps({"task_id": t}).encode() for t in ids]

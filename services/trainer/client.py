@@ -11,50 +11,27 @@ domain errors (``services.common.errors``) carrying the server's status message.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
-import grpc
-import torch
+from typing import TYPE_CHECKING
 
 from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
-from services.common import errors
-from services.common.security import open_channel
+from services.common.client import GrpcClient
 from services.common.weights import chunk_state_dict
 from services.trainer import wire
-from services.trainer.elastic import JoinTicket, Seal
 from services.trainer.job import TrainerJob
-from services.trainer.weights import assemble
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.trainer.elastic import JoinTicket, Seal
 
 
-
-def domain_error(exc: grpc.RpcError) -> errors.GyreError:
-    """The domain error for a failed call (see ``services.common.errors.from_rpc_error``)."""
-    return errors.from_rpc_error(exc)
-
-
-class TrainerClient:
-    """Client of one core trainer; thread-safe (one channel)."""
+class TrainerClient(GrpcClient):
+    """Client of one core trainer; thread-safe (one channel). Imports torch only for the calls
+    that carry tensors or replica tickets, so the scheduler and tools stay light."""
 
     def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 60.0) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = open_channel(address, max_message_mb=max_message_mb)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "TrainerClient":
-        return self
-
-    def __exit__(self, *_exc: Any) -> None:
-        self.close()
-
-    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise domain_error(exc) from None
 
     # -- jobs -------------------------------------------------------------------------------------
     def start_job(self, job: TrainerJob | trainer_pb2.TrainerJobSpec) -> trainer_pb2.StartJobResponse:
@@ -75,21 +52,23 @@ class TrainerClient:
     def get_weights(self, version: int = -1, *, wait_s: float = 0.0,
                     chunk_bytes: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, state_dict) of a published weight version."""
+        from services.trainer.weights import assemble
+
         req = trainer_pb2.GetWeightsRequest(version=version, wait_s=wait_s, chunk_bytes=chunk_bytes)
-        try:
-            stream = self._stub.GetWeights(req, timeout=wait_s + 600.0)
-            return assemble(wire.chunk_to_dict(c) for c in stream)
-        except grpc.RpcError as exc:
-            raise domain_error(exc) from None
+        return assemble(wire.chunk_to_dict(c) for c in self._stream(self._stub.GetWeights, req, wait_s + 600.0))
 
     # -- replica protocol -------------------------------------------------------------------------
     def join_step(self, replica_id: str, cell_id: str) -> tuple[JoinTicket, TrainerJob, str]:
+        from services.trainer.elastic import JoinTicket
+
         r = self._call(self._stub.JoinStep, trainer_pb2.JoinStepRequest(replica_id=replica_id, cell_id=cell_id))
         ticket = JoinTicket(step=r.step, weight_version=r.weight_version, store_host=r.store_host,
                             store_port=r.store_port, group_prefix=r.group_prefix)
         return ticket, wire.job_from_proto(r.job), r.backend
 
     def await_reduce(self, replica_id: str, step: int, *, timeout_s: float = 3600.0) -> Seal:
+        from services.trainer.elastic import Seal
+
         r = self._call(self._stub.AwaitReduce, trainer_pb2.AwaitReduceRequest(replica_id=replica_id, step=step),
                        timeout_s)
         return Seal(step=r.step, rank=r.rank, world_size=r.world_size, group_prefix=r.group_prefix,

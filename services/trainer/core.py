@@ -146,9 +146,11 @@ class CoreTrainer:
                                     version=version, journal=journal)
             snapshot = self.weights.publish(learner.model, version)
             self._stop.clear()
-        if version > 0 and job.engine_addresses:
-            # Resumed mid-job: engines may still serve older weights; give them the checkpoint's.
-            self._push(snapshot, version, job)
+        if job.engine_addresses:
+            # The engines serve this job's weights from its first call on: the job's model (a
+            # checkpoint of the architecture they run), or after a resume the checkpoint's weights.
+            # A restart lineage: the engines may hold a higher version of the previous job.
+            self._push(snapshot, version, job, restart=True)
         if background:
             self._thread = threading.Thread(target=self._run, name=f"trainer-{job.job_id}", daemon=True)
             self._thread.start()
@@ -265,10 +267,10 @@ class CoreTrainer:
         return time.perf_counter() - start
 
     def _push(self, snapshot: dict[str, torch.Tensor], version: int, job: TrainerJob,
-              snapshot_s: float = 0.0) -> PublishReport:
+              snapshot_s: float = 0.0, restart: bool = False) -> PublishReport:
         nbytes = state_bytes(snapshot)
         secs, ok, failed = push_to_engines(snapshot, version, job.engine_addresses,
-                                           chunk_bytes=self.publish_chunk_bytes)
+                                           chunk_bytes=self.publish_chunk_bytes, restart=restart)
         if job.engine_addresses:
             m.PUBLISH_TIME.observe(secs)
         return PublishReport(version=version, num_bytes=nbytes, snapshot_s=snapshot_s, engines_s=secs, engines_ok=ok,

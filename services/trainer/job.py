@@ -1,16 +1,37 @@
-"""A training job as the trainer core runs it (``StartJob``), validated at construction."""
+"""A training job as the trainer core runs it (``StartJob``), validated at construction.
+
+Light to import (no torch), so clients and the scheduler can name jobs: the loss and optimizer
+configs live beside the torch code that uses them and are imported when a job is built.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from services.trainer.learner import OptimConfig
-from services.trainer.objective import ObjectiveConfig
+    from services.trainer.learner import OptimConfig
+    from services.trainer.objective import ObjectiveConfig
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+"""Compute dtypes, by their torch names."""
+_DEVICE = re.compile(r"(cpu|cuda|mps)(:\d+)?")
+
+
+def _objective() -> ObjectiveConfig:
+    from services.trainer.objective import ObjectiveConfig
+
+    return ObjectiveConfig()
+
+
+def _optim() -> OptimConfig:
+    from services.trainer.learner import OptimConfig
+
+    return OptimConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,9 +56,9 @@ class TrainerJob:
     """Optimizer updates to run; the job ends after step num_steps - 1."""
     start_step: int = 0
     """First step (weights are version start_step); ignored when resuming from a checkpoint."""
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveConfig = field(default_factory=_objective)
     """Policy-gradient loss hyper-parameters."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=_optim)
     """AdamW hyper-parameters."""
     temperature: float = 1.0
     """Sampling temperature the engines used: trainer logits are divided by it."""
@@ -77,10 +98,8 @@ class TrainerJob:
             raise ValueError(f"kl_reference must be 'behaviour' or 'initial', got {self.kl_reference!r}")
         if self.attention not in ("auto", "sdpa", "flex"):
             raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}")
-        try:
-            torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"device {self.device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device {self.device!r} is not a torch device ('cpu', 'cuda', 'cuda:1', 'mps')")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.checkpoint_every < 1 or self.checkpoint_keep < 1:
@@ -94,4 +113,6 @@ class TrainerJob:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)  # DTYPES are torch attribute names

@@ -1,4 +1,4 @@
-"""Where micro-batches come from: a work queue shared by all replicas of a step.
+"""Where micro-batches come from: a work queue shared by all replicas of a step (``open_source``).
 
 Every replica (core included) calls ``next(step)`` until it returns None (the step's batch is
 consumed); each micro-batch goes to exactly one caller and is acknowledged after its gradient was
@@ -14,42 +14,23 @@ Implementations:
   * ``StoreQueueSource`` - deterministic synthetic steps shared by *processes* through the core's
     TCPStore (an atomic counter hands out indices): multi-process DP tests and benches without
     the trajectory service. Spec: ``synthetic:seed=1,executions=8,tokens=256,...``.
+
+The interface (``Delivery``, ``BatchSource``) lives in services/trainer/delivery.py, which every
+implementation imports; this module picks one (imports flow one way: here -> implementations ->
+interface).
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from services.trainer.batch import PackedBatchLike
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """A micro-batch handed to one consumer.
-
-    ``ack()`` is called after the forward, right before the backward; it returns False when the
-    queue refuses it (the batch was meanwhile handed to another consumer): discard the result.
-    """
-
-    batch: PackedBatchLike
-    ack: Callable[[], bool]
-    reject: Callable[[str], None]
-    batch_id: str = ""
-
-
-class BatchSource(Protocol):
-    def next(self, step: int) -> Delivery | None:
-        """The next micro-batch of ``step`` for this consumer, or None once the step is consumed."""
-
-    def close(self) -> None: ...
-
-
-def _noop(*_a: Any) -> None:
-    return None
+from services.trainer.delivery import BatchSource, Delivery
+from services.trainer.trajectory_source import TrajectorySource
 
 
 class ListSource:
@@ -183,8 +164,6 @@ def open_source(spec: str, *, store_host: str, store_port: int, job_id: str, con
     if spec == "trajectory":
         if not trajectory_address:
             raise ValueError("source 'trajectory' needs the trajectory service address")
-        from services.trainer.trajectory_source import TrajectorySource
-
         return TrajectorySource(trajectory_address, job_id=job_id, consumer_id=consumer_id)
     raise ValueError(f"unknown batch source {spec!r}; use 'trajectory' or 'synthetic:k=v,...'")
 

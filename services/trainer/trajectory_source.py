@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
-from services.trainer.sources import Delivery
+from services.trainer.delivery import Delivery
 from services.trajectory.client import BatchStream, StreamedBatch, TrajectoryClient
 
 log = get_logger(__name__)

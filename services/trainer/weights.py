@@ -108,7 +108,8 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def push_to_engines(state: dict[str, torch.Tensor], version: int, addresses: Sequence[str], *,
-                    chunk_bytes: int = 4 << 20, timeout_s: float = 600.0) -> tuple[float, int, list[str]]:
+                    chunk_bytes: int = 4 << 20, timeout_s: float = 600.0,
+                    restart: bool = False) -> tuple[float, int, list[str]]:
     """Stream ``state`` to each engine's UpdateWeights in parallel; (seconds, ok count, failed addrs)."""
     if not addresses:
         return 0.0, 0, []
@@ -117,7 +118,7 @@ def push_to_engines(state: dict[str, torch.Tensor], version: int, addresses: Seq
     def push(addr: str) -> str | None:
         client = EngineClient(addr, timeout_s=timeout_s)
         try:
-            client.update_weights(state, version, chunk_bytes=chunk_bytes)
+            client.update_weights(state, version, chunk_bytes=chunk_bytes, restart=restart)
             return None
         except Exception as exc:  # one unreachable engine must not stop the others' update
             log.warning("engine weight push failed", address=addr, version=version, error=str(exc))

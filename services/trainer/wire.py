@@ -1,18 +1,20 @@
-"""Wire <-> domain conversions of the trainer (protobuf messages only; no grpc)."""
+"""Wire <-> domain conversions of the trainer (protobuf messages only; no grpc).
+
+Light to import (no torch: the typed client uses it); building a job or a gradient dict imports
+the torch modules that define them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from protos.gyre.v1 import common_pb2, trainer_pb2
 from services.trainer.job import TrainerJob
-from services.trainer.learner import OptimConfig
-from services.trainer.objective import ObjectiveConfig
-from services.trainer.weights import assemble
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _opt(msg: Any, name: str) -> Any:
@@ -44,6 +46,9 @@ def _default(cls: type, name: str) -> Any:
 
 def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
     """TrainerJob from the wire; unset fields take the dataclass defaults, ``options`` apply last."""
+    from services.trainer.learner import OptimConfig
+    from services.trainer.objective import ObjectiveConfig
+
     o = spec.objective
     obj: dict[str, Any] = {k: v for k in ("eps_low", "eps_high", "tis_cap", "kl_coef", "entropy_coef")
                            if (v := _opt(o, k)) is not None}
@@ -112,6 +117,8 @@ def chunks_from_dicts(chunks: Iterable[Mapping[str, Any]]) -> Iterator[common_pb
 
 def gradients_from_stream(stream: Iterable[trainer_pb2.GradientChunk]) -> tuple[str, int, dict[str, torch.Tensor]]:
     """(replica_id, step, grads) from a HandOffGradients stream (ids taken from the first chunk)."""
+    from services.trainer.weights import assemble
+
     head: dict[str, Any] = {}
 
     def chunks() -> Iterator[dict[str, Any]]:

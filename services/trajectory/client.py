@@ -26,33 +26,11 @@ import grpc
 
 from protos.gyre.v1 import common_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.common import errors
-from services.common.security import open_channel
+from services.common.client import GrpcClient
 from services.trajectory.packing import PackedBatch
 from services.trajectory.records import DeltaEncoder, IngestSummary, Outcome, TitoCall
 from services.trajectory.steps import StepPlan
 from services.trajectory.wire import from_proto, outcome_to_proto, plan_from_proto, record_to_proto
-
-_CODES: dict[grpc.StatusCode, type[errors.GyreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.ABORTED: errors.Aborted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-}
-
-
-def _domain(exc: grpc.RpcError) -> errors.GyreError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or str(code)
-    cls = _CODES.get(code)
-    if cls is None:
-        err = errors.GyreError(f"{code.name}: {details}")
-        err.code = code
-        return err
-    return cls(details)
 
 
 @dataclass(frozen=True)
@@ -93,29 +71,20 @@ class BatchStream:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
                 return
-            raise _domain(exc) from None
+            raise errors.from_rpc_error(exc) from None
 
     def cancel(self) -> None:
         self._call.cancel()
 
 
-class TrajectoryClient:
+class TrajectoryClient(GrpcClient):
+    """Client of the ``Trajectory`` service; thread-safe (one channel, a locked delta encoder)."""
+
     def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 60.0) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = open_channel(address, max_message_mb=max_message_mb)
+        super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._stub = trajectory_pb2_grpc.TrajectoryStub(self._channel)
         self._encoder = DeltaEncoder()
         self._encoder_lock = threading.Lock()
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> TrajectoryClient:
-        return self
-
-    def __exit__(self, *_exc: Any) -> None:
-        self.close()
 
     # ----------------------------------------------------------------- producers
     def ingest(self, records: Iterable[TitoCall | common_pb2.TitoRecord], *, delta_encode: bool = False,
@@ -132,10 +101,7 @@ class TrajectoryClient:
                         r = self._encoder.encode_call(r)
                 yield record_to_proto(r)
 
-        try:
-            s = self._stub.IngestRecords(messages(), timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise _domain(exc) from None
+        s = self._call(self._stub.IngestRecords, messages(), timeout_s)
         return IngestSummary(s.accepted, s.duplicates, s.new_tokens, s.record_tokens, s.executions)
 
     def forget(self, execution_id: str) -> None:
@@ -181,9 +147,3 @@ class TrajectoryClient:
         r = self._call(self._stub.AckBatch, trajectory_pb2.AckBatchRequest(
             job_id=job_id, step=step, batch_id=batch_id, consumer_id=consumer_id))
         return r.acknowledged, plan_from_proto(r.plan)
-
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise _domain(exc) from None

@@ -19,33 +19,36 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.run import RunConfig, run_job
+from services.run import TASK_FILES, RunConfig, run_job
+from services.scheduler.jobfile import load_job
 
 
 @pytest.mark.timeout(900)
 def test_gyre_run_elastic_small(tmp_path: Path) -> None:
-    cfg = RunConfig(mode="elastic", steps=2, groups_per_step=4, group_size=2, engines=2, harness_concurrency=8,
-                    eval_tasks=4, eval_every=1, time_budget_s=600, report_dir=str(tmp_path / "report"),
+    cfg = RunConfig(engines=2, harness_concurrency=8, time_budget_s=600, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
+    spec = load_job(TASK_FILES["xlong"][0], ["--mode", "elastic", "--num_steps", "2", "--groups_per_step", "4",
+                                             "--group_size", "2", "--evaluation.tasks", "4", "--evaluation.every", "1"])
     lines: list[str] = []
     long_calls = _LongCalls()
-    result = run_job(cfg, echo=lambda m: (lines.append(m), long_calls.maybe_start(m)))
+    result = run_job(cfg, spec, echo=lambda m: (lines.append(m), long_calls.maybe_start(m)))
     long_calls.stop()
 
     assert result.final_state == "completed", lines
-    assert len(result.steps) == cfg.steps
-    assert result.weight_version >= cfg.steps  # one published version per step
+    assert len(result.steps) == spec.num_steps
+    assert result.weight_version == spec.num_steps  # one published version per step
     for row in result.steps:
         assert row["tree_tokens"] > 0 and row["naive_tokens"] >= row["tree_tokens"]
     assert any(s["from"] == "rollout" and s["to"] == "train" for s in result.switches), result.switches
     assert all(s["duration_s"] > 0 for s in result.switches), result.switches
     assert sum(result.migrations.values()) >= 1, result.migrations
     assert long_calls.completed >= 1 and long_calls.failed == 0
-    assert len(result.evals) >= 2 and all(0.0 <= e["heldout_pass_rate"] <= 1.0 for e in result.evals)
+    assert [e["step"] for e in result.evals] == [0, 1, 2]  # the scheduler's rounds: start, each step, end
+    assert all(0.0 <= e["heldout_pass_rate"] <= 1.0 and e["tasks"] == 4 for e in result.evals)
     report = Path(result.report or "")
     assert report.exists() and (report.parent / "cell_timeline.png").exists()
     kinds = [json.loads(x)["kind"] for x in (report.parent / "metrics.jsonl").read_text().splitlines()]
-    assert "switch" in kinds and kinds.count("step") == cfg.steps
+    assert "switch" in kinds and kinds.count("step") == spec.num_steps
 
 
 class _LongCalls:
@@ -61,7 +64,7 @@ class _LongCalls:
         if line.startswith("report: "):  # the job is over; the stack goes down next
             self.stop()
             return
-        if not line.startswith("gateway ") or self.threads:
+        if not line.startswith("gateway ") or "worker" in line or self.threads:
             return
         address = line.split()[1]
         for agent in range(4):  # spread over both engines: each drain finds a call in flight
@@ -113,12 +116,14 @@ def test_gyre_run_arith_task_pipeline(tmp_path: Path) -> None:
     stands in for SmolLM2 here (same code path, seconds instead of minutes): its word-level
     tokenizer maps the questions' words to <unk>, which the pipeline does not care about."""
     from services.reward.client import RewardClient
-    from services.run import TASK_CONFIGS
 
-    cfg = RunConfig(mode="elastic", task="arith", task_params="turns=2,max_operand=9", steps=1, groups_per_step=2,
-                    group_size=2, engines=2, harness_concurrency=4, eval_tasks=2, eval_every=1,
-                    learning_rate=1e-4, time_budget_s=600, report_dir=str(tmp_path / "report"),
+    job_file, config = TASK_FILES["arith"]
+    cfg = RunConfig(engines=2, harness_concurrency=4, time_budget_s=600, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
+    spec = load_job(job_file, ["--model", "builtin-tiny", "--tasks.params.turns", "2", "--tasks.params.max_operand",
+                               "9", "--num_steps", "1", "--groups_per_step", "2", "--group_size", "2",
+                               "--evaluation.tasks", "2", "--evaluation.every", "1",
+                               "--algorithm.learning_rate", "1e-4"])
     lines: list[str] = []
     reward_address: list[str] = []
     scores: list[object] = []
@@ -129,20 +134,17 @@ def test_gyre_run_arith_task_pipeline(tmp_path: Path) -> None:
             reward_address.append(m.split()[1])
         if m.startswith("report: "):  # the job is over, the stack still up: read the scores
             with RewardClient(reward_address[0]) as rew:
-                scores.extend(rew.get_score(f"{result_job()}.s0.g{g}.e{e}") for g in range(2) for e in range(2))
+                scores.extend(rew.get_score(f"{spec.job_id}.s0.g{g}.e{e}") for g in range(2) for e in range(2))
 
-    def result_job() -> str:
-        return next(line.split()[-1] for line in lines if line.startswith("job: "))
-
-    result = run_job(cfg, echo=echo, config_path=TASK_CONFIGS["arith"])
+    result = run_job(cfg, spec, echo=echo, config_path=config)
     assert result.final_state == "completed", lines
-    assert len(result.steps) == 1 and result.weight_version >= 1
+    assert len(result.steps) == 1 and result.weight_version == 1
     assert result.steps[0]["tree_tokens"] > 0
     assert len(scores) == 4
     for s in scores:
         assert s.scorer == "builtin:arith-v1" and s.status == "finished"  # type: ignore[attr-defined]
         assert s.reward in (0.0, 0.5, 1.0) and s.outcome_reported  # type: ignore[attr-defined]
-    assert len(result.evals) == 2 and all("heldout_turn1" in e for e in result.evals)
+    assert [e["step"] for e in result.evals] == [0, 1] and all(e["tasks"] == 2 for e in result.evals)
 
 
 @pytest.mark.timeout(600)
@@ -156,11 +158,13 @@ def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path, monkeypatch
     in-flight counts are still those of the calls just finished (what a loaded CI machine made
     happen by chance): the whole pool must move on the job's own counters, not on those."""
     monkeypatch.setenv("GYRE_CELL_AGENT_HEARTBEAT_INTERVAL_S", "6")
-    cfg = RunConfig(mode="colocate", steps=2, groups_per_step=4, group_size=4, engines=2, harness_concurrency=8,
-                    eval_tasks=2, eval_every=1, time_budget_s=500, report_dir=str(tmp_path / "report"),
+    cfg = RunConfig(engines=2, harness_concurrency=8, time_budget_s=500, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
+    spec = load_job(TASK_FILES["xlong"][0], ["--mode", "colocate", "--staleness_bound", "0", "--num_steps", "2",
+                                             "--groups_per_step", "4", "--group_size", "4", "--evaluation.tasks", "2",
+                                             "--evaluation.every", "1"])
     lines: list[str] = []
-    result = run_job(cfg, echo=lines.append)
+    result = run_job(cfg, spec, echo=lines.append)
     assert result.final_state == "completed", lines
     assert len(result.steps) == 2 and result.weight_version >= 2
     back = [s for s in result.switches if s["from"] == "train" and s["to"] == "rollout"]

@@ -185,7 +185,7 @@ def test_list_cancel_and_lease_wait(sched: InProcess) -> None:
 
 
 def test_submit_without_id_and_with_generator(sched: InProcess) -> None:
-    p = pb.JobSpec(model="m", num_steps=1, groups_per_step=3, group_size=1, mode=pb.SCHEDULING_MODE_ELASTIC,
+    p = pb.JobSpec(model="tiny", num_steps=1, groups_per_step=3, group_size=1, mode=pb.SCHEDULING_MODE_ELASTIC,
                    staleness_bound=1)
     p.tasks.generator.name = "numbered"
     job = sched.client.submit_job(p)

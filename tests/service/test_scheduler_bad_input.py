@@ -60,7 +60,7 @@ def env(_session_redis: object) -> Iterator[tuple[InProcess, Stubs, dict[str, st
 
 
 def spec(**kw: object) -> pb.JobSpec:
-    p = pb.JobSpec(model="m", num_steps=1, groups_per_step=1, group_size=1, mode=pb.SCHEDULING_MODE_ELASTIC,
+    p = pb.JobSpec(model="tiny", num_steps=1, groups_per_step=1, group_size=1, mode=pb.SCHEDULING_MODE_ELASTIC,
                    staleness_bound=1)
     p.tasks.payloads.payloads.append(b"t")
     for k, v in kw.items():

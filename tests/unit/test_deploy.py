@@ -21,10 +21,11 @@ from services.launcher import ServiceSpec, default_specs, service_command
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
-CONFIGS = sorted((DEPLOY / "config").glob("*.toml"))
+# service configs; job files (job*.toml: a [job] JobSpec) are parsed in tests/unit/test_run_config.py
+CONFIGS = sorted(p for p in (DEPLOY / "config").glob("*.toml") if not p.name.startswith("job"))
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 SECTIONS = tuple(dict.fromkeys(s.section for s in default_specs(num_engines=1) if s.serves))
-OTHER_SECTIONS = {"common", "run"}  # shared fields; `gyre run`'s job (services/run.py)
+OTHER_SECTIONS = {"common", "run"}  # shared fields; `gyre run`'s stack (services/run.py)
 DEPLOYMENTS = ("compose.toml", "systemd.toml")
 
 

@@ -1,4 +1,4 @@
-"""`gyre run`'s command line: the task picks its own defaults file unless --config is given."""
+"""`gyre run`'s command line: stack flags, job flags and the task's own files; job files parse."""
 
 from __future__ import annotations
 
@@ -6,30 +6,57 @@ from pathlib import Path
 
 import pytest
 
-from services.run import DEFAULT_RUN_CONFIG, TASK_CONFIGS, load_run_config
+from services.run import DEFAULT_RUN_CONFIG, TASK_FILES, load_run
+from services.scheduler.jobfile import DEFAULT_JOB_FILE, load_job, read_job_table
+from services.scheduler.jobs import JobSpec, Mode
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_default_is_the_xlong_task_from_run_toml() -> None:
-    cfg, path = load_run_config([])
-    assert path == DEFAULT_RUN_CONFIG and cfg.task == "xlong" and cfg.model == "builtin-tiny"
+def test_default_is_the_builtin_job_on_the_default_stack() -> None:
+    run, spec, path = load_run([])
+    assert path == DEFAULT_RUN_CONFIG and run.engines == 2
+    assert spec.model == "builtin-tiny" and spec.tasks.generator == "xlong-v1" and spec.mode is Mode.ELASTIC
+    assert spec.evaluation.tasks == 32 and spec.evaluation.after_steps(spec.num_steps) == (0, 2, 4, 6, 8)
 
 
-def test_task_arith_reads_its_own_defaults_and_flags_still_win() -> None:
-    cfg, path = load_run_config(["--model", "smollm2-135m-instruct", "--task", "arith", "--steps", "2"])
-    assert path == TASK_CONFIGS["arith"] and path.exists()
-    assert cfg.task == "arith" and cfg.model == "smollm2-135m-instruct" and cfg.steps == 2
-    assert cfg.learning_rate < 1e-4  # a pretrained model's step size, not the tiny model's
-    assert set(cfg.knobs()) <= {"turns", "max_operand"}
+def test_task_arith_reads_its_own_files_and_flags_still_win() -> None:
+    run, spec, path = load_run(["--task", "arith", "--num-steps", "2", "--engines", "1", "--quiet"])
+    assert path == TASK_FILES["arith"][1] and run.engines == 1 and run.quiet
+    assert spec.tasks.generator == "arith-v1" and spec.num_steps == 2 and spec.model == "smollm2-135m-instruct"
+    assert spec.algorithm.learning_rate < 1e-4  # a pretrained model's step size, not the tiny model's
 
 
-def test_explicit_config_is_used_as_given(tmp_path: Path) -> None:
-    f = tmp_path / "mine.toml"
-    f.write_text('[run]\ntask = "arith"\nsteps = 3\n')
-    cfg, path = load_run_config(["--config", str(f)])
-    assert path == f and cfg.task == "arith" and cfg.steps == 3 and cfg.model == "builtin-tiny"
+def test_nested_job_flags() -> None:
+    spec = load_job(DEFAULT_JOB_FILE, ["--algorithm.kl-coef", "0.01", "--evaluation.every", "3",
+                                       "--tasks.params.num_modules", "3", "--mode", "colocate",
+                                       "--staleness-bound", "0"])
+    assert spec.algorithm.kl_coef == 0.01 and spec.evaluation.every == 3 and spec.mode is Mode.COLOCATE
+    assert dict(spec.tasks.params)["num_modules"] == "3"
 
 
-@pytest.mark.parametrize("argv, message", [(["--task", "chess"], "task"), (["--config"], "--config needs a file")])
+@pytest.mark.parametrize("path", sorted((REPO / "deploy" / "config").glob("job*.toml")))
+def test_every_shipped_job_file_parses_and_round_trips(path: Path) -> None:
+    spec = load_job(path)
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert set(read_job_table(path)) <= set(spec.to_dict())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "chess"], "task"), (["--config"], "needs a value"), (["--num-steps", "many"], "not a valid int"),
+    (["--algorithm.lr", "1"], "unknown job flag"), (["--num-steps", "0"], "num_steps is 0"),
+    (["--evaluation.every", "-1"], "evaluation.every"), (["--harness", "mine"], "harness"),
+])
 def test_bad_command_lines_get_one_clear_sentence(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        load_run_config(argv)
+        load_run(argv)
+
+
+def test_unknown_fields_in_a_job_file(tmp_path: Path) -> None:
+    f = tmp_path / "job.toml"
+    f.write_text(DEFAULT_JOB_FILE.read_text().replace("[job.algorithm]\n", "[job.algorithm]\nlr = 1\n"))
+    with pytest.raises(ValueError, match=r"unknown algorithm field\(s\) lr"):
+        load_job(f)
+    f.write_text("[jobs]\n")
+    with pytest.raises(ValueError, match="no \\[job\\] table"):
+        load_job(f)

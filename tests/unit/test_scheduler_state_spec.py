@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.scheduler.convert import job_from_proto, job_to_proto, spec_from_proto, spec_to_proto
-from services.scheduler.jobs import JobSpec, JobState, JobStatus, Mode, TaskSource, TimeoutPolicy
+from services.scheduler.jobs import Algorithm, Evaluation, JobSpec, JobState, JobStatus, Mode, TaskSource, TimeoutPolicy
 from services.scheduler.state import execution_id, job_of_execution
 from services.scheduler.tasks import register_task_generator, resolve_generator, step_payloads
 
@@ -17,7 +17,9 @@ def spec(**kw: object) -> JobSpec:
     base: dict[str, object] = dict(job_id="j", model="m", tasks=TaskSource(payloads=(b"a", b"b", b"c")),
                                    num_steps=3, groups_per_step=2, group_size=4, mode=Mode.ASYNC, staleness_bound=2,
                                    async_rollout_cells=3, timeout_policy=TimeoutPolicy.EXCLUDE,
-                                   algorithm=(("lr", "1e-5"),), cell_ids=("c1", "c2"), execution_kv_tokens=4096,
+                                   algorithm=Algorithm(learning_rate=3e-4, kl_coef=0.01, tis_cap=2.0),
+                                   evaluation=Evaluation(tasks=8, every=2, greedy=False), scorer="builtin:xlong-v1",
+                                   harness="external", seed=7, cell_ids=("c1", "c2"), execution_kv_tokens=4096,
                                    rollout_batches=True)
     base.update(kw)
     return JobSpec(**base)  # type: ignore[arg-type]
@@ -80,7 +82,7 @@ def test_generators_are_deterministic_and_pluggable() -> None:
     register_task_generator("const", lambda params, step, groups: [params["v"].encode()] * groups)
     c = spec(tasks=TaskSource(generator="const", params=(("v", "hi"),)))
     assert step_payloads(c, 0) == [b"hi", b"hi"]
-    assert resolve_generator("services.scheduler.tasks:_numbered") is resolve_generator("numbered")
+    assert resolve_generator("services.task.families.numbered:generate") is resolve_generator("numbered")
     with pytest.raises(ValueError, match="unknown task generator"):
         resolve_generator("nope")
     with pytest.raises(ValueError, match="cannot be imported"):

@@ -1,0 +1,92 @@
+"""Live progress of one job (``gyre run``, ``gyre watch``): a rich table on a terminal, else a
+plain line every 10 s. Fed by a ``JobView`` (events) plus ``GetJob`` (queue counts)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from services.jobwatch import JobView
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * min(done, total) / max(total, 1))
+    return "█" * filled + "░" * (width - filled)
+
+
+class Progress:
+    def __init__(self, scheduler: Any, view: JobView, *, quiet: bool = False,
+                 echo: Callable[[str], None] = print, line_every_s: float = 10.0) -> None:
+        from rich.console import Console
+
+        self.scheduler, self.view, self.echo = scheduler, view, echo
+        self.console = Console(stderr=False)
+        self.live: Any = None
+        self.quiet = quiet
+        self.line_every_s = line_every_s
+        self._last_line = 0.0
+        self._last_poll = 0.0
+        self._job: Any = None
+
+    def __enter__(self) -> Progress:
+        if not self.quiet and self.console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._table(), console=self.console, refresh_per_second=2)
+            self.live.start()
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+    def update(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_poll < 0.5:
+            return
+        self._last_poll = now
+        try:
+            self._job = self.scheduler.get_job(self.view.job_id)
+        except Exception:  # deliberate: a restarting scheduler; show the last known figures
+            pass
+        if self.live is not None:
+            self.live.update(self._table())
+        elif force or now - self._last_line >= self.line_every_s:
+            self._last_line = now
+            self.echo(self.line())
+
+    def line(self) -> str:
+        v, job = self.view, self._job
+        spec = job.spec if job is not None else None
+        steps = f"{len(v.steps)}/{spec.num_steps}" if spec else str(len(v.steps))
+        counts = (f" done {job.done_in_step}/{spec.step_size} running {job.running} queued {job.queued}"
+                  if job is not None and spec is not None else "")
+        last_eval = (f" held-out {v.evals[-1]['heldout_pass_rate']:.3f} (after {v.evals[-1]['step']})"
+                     if v.evals else "")
+        return (f"[{v.job_id}] {v.state} step {steps} v{v.weight_version}{counts} switches {len(v.switches)} "
+                f"outcomes {dict(v.outcomes)}{last_eval}")
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        v, job = self.view, self._job
+        spec = job.spec if job is not None else None
+        t = Table(title=f"gyre  {v.job_id}  ({spec.mode.value if spec else '?'})", show_header=False)
+        total = spec.num_steps if spec else max(len(v.steps), 1)
+        t.add_row("state", v.state + (f" ({v.message})" if v.message else ""))
+        t.add_row("step", _bar(len(v.steps), total) + f" {len(v.steps)}/{total}  (weight version {v.weight_version})")
+        if job is not None and spec is not None:
+            t.add_row("executions", _bar(job.done_in_step, spec.step_size) +
+                      f" {job.done_in_step}/{spec.step_size} of step {job.current_step}, {job.running} in flight, "
+                      f"{job.queued} queued")
+        m = v.last_metrics
+        if m:
+            t.add_row("cells", f"{m.get('rollout_cells', '?')} rollout, {m.get('train_cells', '?')} train, "
+                               f"{m.get('switching_cells', '?')} switching   switches: {len(v.switches)}")
+        t.add_row("outcomes", ", ".join(f"{k} {n}" for k, n in sorted(v.outcomes.items())) or "-")
+        if v.evals:
+            t.add_row("held-out", "  ".join(f"{e['step']}: {e['heldout_pass_rate']:.2f}" for e in v.evals))
+        if v.errors:
+            t.add_row("warnings", f"{len(v.errors)} (last: {v.errors[-1][:90]})")
+        return t
