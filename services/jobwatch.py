@@ -38,6 +38,7 @@ class JobView:
     evals: list[dict[str, Any]] = field(default_factory=list)
     switches: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    migrations: dict[str, int] = field(default_factory=dict)  # requests migrated, by KV transport
     _open_switch: dict[str, dict[str, Any]] = field(default_factory=dict)
     role_spans: list[dict[str, Any]] = field(default_factory=list)
     _role_at: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -85,6 +86,9 @@ class JobView:
                 self.switches.append({"cell_id": cell, "from": a.get("from"), "to": a.get("to"),
                                       "duration_s": float(a.get("duration_ms", 0) or 0) / 1000.0, "at_s": at,
                                       "reason": started.get("reason", "")})
+        elif kind == "migration":
+            for transport, n in json.loads(a.get("transports") or "{}").items():
+                self.migrations[transport] = self.migrations.get(transport, 0) + int(n)
         elif kind == "metrics":
             self.last_metrics = dict(a)
         elif kind == "controller_error":

@@ -19,6 +19,7 @@ it carries the same switch out again.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
@@ -30,15 +31,25 @@ from services.scheduler.jobs import CellRecord, JobStatus, Role
 log = get_logger(__name__)
 
 
-def _drain(gateway: GatewayClient, cell: CellRecord) -> None:
+def _drain(gateway: GatewayClient, cell: CellRecord) -> dict[str, str]:
+    """Drain the cell's engine through the gateway; the migrations made, as event attributes."""
     try:
         reports = gateway.drain_engine(cell.cell_id)
     except NotFound:  # already drained and deregistered (a repeated switch)
-        return
+        return {}
     failed = [r for r in reports if not r.ok]
     if failed:
         raise Unavailable(f"draining {cell.cell_id}: {len(failed)} of {len(reports)} requests failed to migrate")
     log.info("engine drained", cell_id=cell.cell_id, migrated=len(reports))
+    if not reports:
+        return {}
+    transports: dict[str, int] = {}
+    for r in reports:
+        transports[r.transport] = transports.get(r.transport, 0) + 1
+    return {"migrated": str(len(reports)), "transports": json.dumps(transports, sort_keys=True),
+            "targets": ",".join(sorted({r.target_cell_id for r in reports})),
+            "kv_tokens": str(sum(r.kv_tokens for r in reports)), "bytes": str(sum(r.bytes for r in reports)),
+            "max_duration_ms": str(int(max(r.duration_s for r in reports) * 1000))}
 
 
 class ServicesActuator:
@@ -51,9 +62,10 @@ class ServicesActuator:
         self.timeout_s = timeout_s
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
-               migrate_to: Sequence[CellRecord]) -> None:
+               migrate_to: Sequence[CellRecord]) -> dict[str, str]:
+        info: dict[str, str] = {}
         if from_role is Role.ROLLOUT:
-            _drain(self.gateway, cell)
+            info = _drain(self.gateway, cell)
         elif from_role is Role.TRAIN:
             try:
                 released = self.trainer.release_replica(cell.cell_id, wait_s=self.timeout_s)
@@ -70,6 +82,7 @@ class ServicesActuator:
                 self.gateway.register_engine(cell.cell_id, "")
             except AlreadyExists:
                 pass
+        return info
 
     def close(self) -> None:
         self.gateway.close()
@@ -82,10 +95,11 @@ class AgentActuator:
         self.timeout_s = timeout_s
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
-               migrate_to: Sequence[CellRecord]) -> None:
+               migrate_to: Sequence[CellRecord]) -> dict[str, str]:
+        info: dict[str, str] = {}
         if from_role is Role.ROLLOUT:
             if self.gateway is not None:
-                _drain(self.gateway, cell)
+                info = _drain(self.gateway, cell)
             elif cell.inflight > 0 and job.running > 0:  # a stale count once the job runs nothing
                 raise FailedPrecondition(f"{cell.cell_id} hosts {cell.inflight} executions and no gateway is "
                                          f"configured to migrate them; refusing to interrupt them")
@@ -95,6 +109,7 @@ class AgentActuator:
         if role is not to_role:
             raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
         log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
+        return info
 
     def close(self) -> None:
         if self.gateway is not None:

@@ -34,13 +34,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Histogram
+
 from services.common.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound
 from services.common.logging import get_logger
+from services.common.metrics import REGISTRY
 from services.scheduler.jobs import EventKind, JobSpec, JobState, JobStatus, eval_job_id
 from services.scheduler.state import SchedulerState, eval_execution_id
 from services.scheduler.tasks import heldout_payloads
 
 log = get_logger(__name__)
+
+DRIVE_SECONDS = Histogram("gyre_scheduler_controller_seconds", "One job controller pass over a running job "
+                          "(remote calls included).", registry=REGISTRY,
+                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 TRAINER_CHECK_S = 5.0  # how often a running job's trainer is checked
 MAX_TRAINER_STARTS = 5  # StartJob attempts for one job before it fails (a trainer that keeps failing)
@@ -118,10 +125,13 @@ class JobController:
             except NotFound:
                 continue
             if job.state is JobState.RUNNING:
+                t0 = time.perf_counter()
                 try:
                     self.drive(job)
                 except GyreError as exc:  # a service is down or refused: said once in a while, retried
                     self._error(job.job_id, "drive", exc)
+                finally:
+                    DRIVE_SECONDS.observe(time.perf_counter() - t0)
         for job_id in self.state.controlled_jobs():
             if job_id not in active:
                 self._wind_down(job_id)
@@ -169,11 +179,35 @@ class JobController:
         self.state.mark_controlled(job.job_id)
         if not self._start_trainer(job, first=True):
             return False
+        if not self._engines_serve_the_job(job):
+            return False
         self.state.set_controller_field(job.job_id, "ctl_prepared", str(time.time()))
         self.state.append_event(job.job_id, EventKind.JOB_PREPARED.value, {
             "scorer": scorer or "(reward default)", "timeout_policy": policy, "model": spec.model,
             "engines": ",".join(self._engines()), "trainer": getattr(self.trainer, "address", "")})
         blog.info("job prepared", scorer=scorer, engines=self._engines())
+        return True
+
+    def _engines_serve_the_job(self, job: JobStatus, wait_s: float = 30.0) -> bool:
+        """The trainer pushed the job's initial weights to every engine when it started; an engine
+        that does not install them serves another model (its parameters do not match): the job
+        fails with that sentence rather than training one model on another's samples."""
+        from services.rollout.client import EngineClient
+
+        status = self.trainer.status()
+        want = int(status.weight_version)
+        for address in self._engines():
+            with EngineClient(address, timeout_s=10.0) as engine:
+                deadline = time.monotonic() + wait_s
+                load = engine.get_load()
+                while load.weight_version != want and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    load = engine.get_load()
+            if load.weight_version != want:
+                self._fail(job.job_id, f"the engine at {address} serves {load.model_name!r} and did not take the "
+                                       f"weights of the job's model {job.spec.model!r} (version {want}); bring the "
+                                       f"stack up with that model (`gyre up --model {job.spec.model}`)")
+                return False
         return True
 
     def _engines(self) -> list[str]:
@@ -209,7 +243,8 @@ class JobController:
         except FailedPrecondition as exc:  # another job still trains there (stopping): wait for it
             self._error(job.job_id, "start_trainer", exc)
             return False
-        self.state.incr_controller_counter(job.job_id, "ctl_trainer_starts")
+        if not res.already_running:
+            self.state.incr_controller_counter(job.job_id, "ctl_trainer_starts")
         log.info("trainer job started", job_id=job.job_id, step=res.step, weight_version=res.weight_version,
                  already_running=res.already_running, resumed=not first)
         return True
@@ -220,16 +255,29 @@ class JobController:
             return
         self._last_trainer_check[job.job_id] = now
         status = self.trainer.status()
-        if status.job_id == job.job_id and status.phase not in ("done", "failed", "stopped", "idle"):
+        if status.job_id == job.job_id:
+            self._catch_up(job, int(status.weight_version))
+        if status.job_id == job.job_id and status.phase not in ("failed", "stopped", "idle"):
             return
-        if status.job_id == job.job_id and status.phase == "done":
-            return  # its last report reaches us (or already did: training_done)
         why = f"phase {status.phase or 'idle'}" + (f", error: {status.error}" if status.error else "")
         log.warning("the trainer does not run the job; starting it again (resumes from its checkpoint)",
                     job_id=job.job_id, trainer_job=status.job_id, reason=why)
         self.state.append_event(job.job_id, EventKind.CONTROLLER_ERROR.value,
                                 {"stage": "trainer", "error": f"trainer {why}; restarting the trainer job"})
         self._start_trainer(job, first=False)
+
+    def _catch_up(self, job: JobStatus, trainer_version: int) -> None:
+        """Apply publications the trainer made but whose report never arrived (the scheduler was
+        down or restarting when the trainer sent it; the trainer does not resend it)."""
+        for step in range(job.weight_version, min(trainer_version, job.spec.num_steps)):
+            try:
+                applied = self.state.report_training(job.job_id, step, "published", step + 1)
+            except FailedPrecondition as exc:  # its executions have not all ended here: not yet
+                log.info("trainer is ahead; its report waits", job_id=job.job_id, step=step, error=str(exc))
+                return
+            if applied:
+                log.warning("applied a publication whose report was lost", job_id=job.job_id, step=step,
+                            weight_version=step + 1)
 
     def _evaluations(self, job: JobStatus, ctl: dict[str, str]) -> None:
         spec = job.spec

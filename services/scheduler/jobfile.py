@@ -5,7 +5,8 @@
 
 A flag names a field of the spec (``--mode``), of a section (``--algorithm.kl_coef``,
 ``--evaluation.tasks``) or a task parameter (``--tasks.params.KEY``); ``-`` and ``_`` are the
-same. Values are typed by the field (numbers, ``true``/``false``). Light to import: no gRPC.
+same; ``--steps``, ``--learning-rate``, ``--temperature``, ``--eval-tasks`` and ``--eval-every``
+are short for their fields. Values are typed by the field (numbers, ``true``/``false``). Light to import: no gRPC.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from services.scheduler.jobs import Algorithm, Evaluation, JobSpec
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_JOB_FILE = REPO / "deploy" / "config" / "job.toml"
 _SECTIONS: dict[str, type] = {"algorithm": Algorithm, "evaluation": Evaluation}
+# Short flags of earlier `gyre run` versions, kept as aliases of the spec's fields.
+ALIASES = {"steps": "num_steps", "learning_rate": "algorithm.learning_rate", "lr": "algorithm.learning_rate",
+           "temperature": "algorithm.temperature", "eval_tasks": "evaluation.tasks", "eval_every": "evaluation.every"}
 
 
 def new_job_id(prefix: str = "job") -> str:
@@ -56,7 +60,8 @@ def apply_overrides(table: Mapping[str, Any], argv: Sequence[str]) -> dict[str, 
     for flag, raw in zip(args[::2], args[1::2]):
         if not flag.startswith("--"):
             raise ValueError(f"expected --field value, got {flag!r}")
-        path = flag[2:].replace("-", "_").split(".")
+        name = flag[2:].replace("-", "_")
+        path = ALIASES.get(name, name).split(".")
         if path[0] == "tasks" and len(path) == 3 and path[1] == "params":
             tasks = out.setdefault("tasks", {})
             tasks.setdefault("params", {})[flag[2:].split(".", 2)[2]] = raw

@@ -80,6 +80,7 @@ class EventKind(str, Enum):
     SWITCH_FINISHED = "switch_finished"  # attrs: cell_id, from, to, switch_id, duration_ms, outcome, error
     SWITCH_ROLLED_BACK = "switch_rolled_back"  # attrs: cell_id, from, to, switch_id, duration_s, error
     METRICS = "metrics"  # periodic snapshot: queued, running, done_in_step, rollout_cells, train_cells
+    MIGRATION = "migration"  # a drain moved in-flight requests; attrs: cell_id, migrated, transports, targets
     JOB_PREPARED = "job_prepared"  # the controller configured reward and started the trainer; attrs: scorer, engines
     EVALUATION_STARTED = "evaluation_started"  # a held-out round was enqueued; attrs: round, after_step, tasks
     EVALUATION = "evaluation"  # a round was scored; attrs: round, after_step, pass_rate, mean_reward, statuses

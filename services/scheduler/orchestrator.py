@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -72,7 +72,8 @@ class CellActuator(Protocol):
     """
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
-               migrate_to: Sequence[CellRecord]) -> None: ...
+               migrate_to: Sequence[CellRecord]) -> Mapping[str, str] | None:
+        """Returns event attributes of what it did (e.g. ``migrated``: requests moved), or None."""
 
 
 class TimeoutScorer(Protocol):
@@ -323,7 +324,10 @@ class Orchestrator:
                    targets: Sequence[CellRecord]) -> None:
         bound = log.bind(job_id=job.job_id, cell_id=cell.cell_id, switch_id=switch_id)
         try:
-            self.actuator.switch(cell, from_role, to_role, switch_id=switch_id, job=job, migrate_to=targets)
+            info = self.actuator.switch(cell, from_role, to_role, switch_id=switch_id, job=job, migrate_to=targets)
+            if info and info.get("migrated"):
+                self.state.append_event(job.job_id, EventKind.MIGRATION.value,
+                                        {"cell_id": cell.cell_id, "switch_id": switch_id, **info})
         except Exception as exc:  # deliberate: a failed switch is rolled back, not fatal
             bound.warning("switch failed; rolling back", from_role=from_role.value, to_role=to_role.value,
                           error=str(exc))

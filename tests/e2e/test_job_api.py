@@ -133,3 +133,44 @@ def test_a_cancelled_job_stops_its_trainer_and_the_next_job_runs(stack: Path) ->
     assert last["state"] == "completed" and last["weight_version"] == 1
     jobs = {j["job_id"]: j for j in json.loads(gyre(stack, "jobs", "--json").stdout)}
     assert jobs[long_id]["state"] == "cancelled"
+
+
+@pytest.mark.timeout(900)
+def test_a_scheduler_killed_mid_job_is_restarted_and_the_job_goes_on(stack: Path) -> None:
+    """SIGKILL of the scheduler after the job's first published step; the same command (on the
+    same port, as systemd would restart it) picks the job up from Redis: the trainer's lost report
+    is applied, the harness leases again, and the job completes with every step published once."""
+    import signal
+
+    job = str(REPO / "deploy" / "config" / "job.toml")
+    job_id = gyre(stack, "submit", job, *SMALL, "--num_steps", "3").stdout.strip().splitlines()[-1]
+    state_file = stack / "run" / "state.json"
+    sched = json.loads(state_file.read_text())["services"]["scheduler"]
+    watch = subprocess.Popen([PY, "-m", "services.cli", "--data-dir", str(stack), "watch", job_id, "--json"],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert watch.stdout is not None
+    events = []
+    for line in watch.stdout:
+        events.append(json.loads(line))
+        if events[-1]["kind"] == "step_trained":
+            break
+    os.kill(sched["pid"], signal.SIGKILL)
+    port = sched["address"].rsplit(":", 1)[1]
+    with open(sched["log"], "ab") as log:
+        proc = subprocess.Popen([*sched["command"], "--port", port], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    state = json.loads(state_file.read_text())
+    state["services"]["scheduler"]["pid"] = proc.pid  # so `gyre down` stops the new one
+    state_file.write_text(json.dumps(state))
+    try:
+        events += [json.loads(line) for line in watch.stdout]  # the watcher resumes by event id
+        assert watch.wait(timeout=600) == 0
+        last = events[-1]
+        assert last["kind"] == "end" and last["state"] == "completed" and last["weight_version"] == 3, last
+        trained = [int(e["step"]) for e in events if e["kind"] == "step_trained"]
+        assert trained == [0, 1, 2]  # each step once, in order, across the restart
+        ended = [e["execution_id"] for e in events if e["kind"] == "execution_completed" and not e.get("evaluation")]
+        assert len(ended) == len(set(ended)) == 3 * 4
+    finally:  # the stack, this scheduler included, goes down with the module's fixture
+        if watch.poll() is None:
+            watch.kill()

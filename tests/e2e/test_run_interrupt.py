@@ -33,7 +33,7 @@ def test_two_sigterms_mid_run_still_stop_every_service(tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "run", "--steps", "50", "--eval-tasks", "0", "--quiet", "true",
+            [sys.executable, "-m", "services.cli", "run", "--num-steps", "50", "--evaluation.tasks", "0", "--quiet",
              "--data-dir", str(tmp_path / "data"), "--report-dir", str(tmp_path / "report")],
             cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

@@ -44,12 +44,17 @@ def test_every_shipped_job_file_parses_and_round_trips(path: Path) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--task", "chess"], "task"), (["--config"], "needs a value"), (["--num-steps", "many"], "not a valid int"),
-    (["--algorithm.lr", "1"], "unknown job flag"), (["--num-steps", "0"], "num_steps is 0"),
+    (["--algorithm.lr", "1"], "unknown job flag"), (["--stepz", "1"], "unknown job flag"), (["--num-steps", "0"], "num_steps is 0"),
     (["--evaluation.every", "-1"], "evaluation.every"), (["--harness", "mine"], "harness"),
 ])
 def test_bad_command_lines_get_one_clear_sentence(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_run(argv)
+
+
+def test_short_flags_of_earlier_versions_still_work() -> None:
+    spec = load_job(DEFAULT_JOB_FILE, ["--steps", "3", "--learning-rate", "3e-4", "--eval-tasks", "0"])
+    assert spec.num_steps == 3 and spec.algorithm.learning_rate == 3e-4 and spec.evaluation.tasks == 0
 
 
 def test_unknown_fields_in_a_job_file(tmp_path: Path) -> None:
