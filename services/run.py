@@ -92,7 +92,10 @@ def bring_up(launcher: Launcher, run: RunConfig, model: str, *, echo: Callable[[
     # harnesses use, on a free port (`gyre status --json`: services.gateway.http)
     env = {"OMP_NUM_THREADS": str(run.torch_threads), "MALLOC_ARENA_MAX": "2",
            "GYRE_MODEL_CACHE": str(Path(run.model_cache_dir).resolve()), "GYRE_GATEWAY_HTTP_PORT": "0"}
-    specs = default_specs(run.engines, model=str(model_dir), torch_threads=run.torch_threads)
+    # engines and the gateway get the spec itself (they resolve names; a job naming the same spec
+    # needs no reload), the harness the directory (its tokenizers)
+    spec_or_dir = model if not Path(model).expanduser().is_dir() else str(model_dir)
+    specs = default_specs(run.engines, model=spec_or_dir, torch_threads=run.torch_threads)
     up = launcher.up(specs, redis_url=os.environ.get("REDIS_URL"), echo=echo, env=env)
     addresses = {k: v.address for k, v in up.items()}
     launcher.start_workers([harness_spec(job_id=job_id, model=str(model_dir), concurrency=run.harness_concurrency)],

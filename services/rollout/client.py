@@ -105,6 +105,10 @@ class EngineClient(GrpcClient):
     def get_load(self, timeout_s: float | None = None) -> rollout_pb2.EngineLoad:
         return self._call(self._stub.GetLoad, rollout_pb2.GetLoadRequest(), timeout_s)
 
+    def load_model(self, model: str, *, timeout_s: float = 600.0) -> rollout_pb2.LoadModelResponse:
+        """Have the engine serve ``model`` (it must host no request); ``changed`` False if it already did."""
+        return self._call(self._stub.LoadModel, rollout_pb2.LoadModelRequest(model=model), timeout_s)
+
     def drain(self, wait_s: float = 0.0, *, cancel: bool = False) -> int:
         req = rollout_pb2.DrainRequest(wait_s=wait_s, cancel=cancel)
         resp = self._call(self._stub.Drain, req, wait_s + self.timeout_s)

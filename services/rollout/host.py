@@ -145,8 +145,11 @@ class EngineHost:
     """See module docstring. Thread-safe."""
 
     def __init__(self, engine: InferenceEngine, *, cell_id: str, address: str = "",
-                 kv_kinds: tuple[str, ...] = ("ucx", "tcp"), kv_host: str = "127.0.0.1") -> None:
+                 kv_kinds: tuple[str, ...] = ("ucx", "tcp"), kv_host: str = "127.0.0.1", model: str = "",
+                 loader: Callable[[str], InferenceEngine] | None = None) -> None:
         self.engine = engine
+        self.model = model  # the spec the engine was loaded from ("" when built in code)
+        self._loader = loader
         self.cell_id = cell_id
         self.address = address  # this engine's gRPC address, set once the server is bound
         self.kv_kinds = kv_kinds
@@ -164,6 +167,29 @@ class EngineHost:
     def stop(self) -> None:
         self.close_receivers()
         self.engine.stop(drain=False)
+
+    def load_model(self, model: str) -> bool:
+        """Serve ``model`` instead (a new job's); False when it already does. Refused while any
+        request is hosted: a running execution is never cut off to change models."""
+        if model == self.model:
+            return False
+        if self._loader is None:
+            raise FailedPrecondition("this engine was built without a model loader; restart it with --model")
+        with self._cond:
+            active = self.engine.active_requests()
+            if active:
+                raise FailedPrecondition(f"the engine hosts {len(active)} requests; drain it before loading "
+                                         f"another model")
+            was_draining, self.draining = self.draining, True  # nothing new starts on the old model meanwhile
+        try:
+            new = self._loader(model)  # ValueError: does not resolve
+            new.start()
+            old, self.engine, self.model = self.engine, new, model
+            old.stop(drain=False)
+        finally:
+            self.draining = was_draining
+        self.log.info("model loaded", model=model, model_name=new.model_name)
+        return True
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: GenRequest) -> RequestChannel:

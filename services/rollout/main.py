@@ -9,6 +9,8 @@ Heavy imports (torch, transformers) happen inside the build functions, so ``--he
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,7 +54,8 @@ def build_engine(cfg: EngineConfig) -> Built:
     from services.rollout.servicer import EngineServicer
 
     advertised = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1")
-    host = EngineHost(_load_engine(cfg), cell_id=cfg.cell_id, kv_kinds=cfg.kv_transports, kv_host=advertised)
+    host = EngineHost(_load_engine(cfg), cell_id=cfg.cell_id, kv_kinds=cfg.kv_transports, kv_host=advertised,
+                      model=cfg.model, loader=lambda model: _load_engine(dataclasses.replace(cfg, model=model)))
     servicer = EngineServicer(host, connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),
                               attach_wait_s=cfg.attach_wait_s)
     server = build_server("engine", [(rollout_pb2_grpc.add_EngineServicer_to_server, servicer)],

@@ -145,6 +145,18 @@ class EngineServicer(rollout_pb2_grpc.EngineServicer):
         return rollout_pb2.UpdateWeightsResponse(weight_version=asm.version, num_tensors=len(state_dict),
                                                  num_bytes=asm.num_bytes)
 
+    def LoadModel(self, request: rollout_pb2.LoadModelRequest, context: grpc.ServicerContext) -> Any:
+        if not request.model or len(request.model) > 4096:
+            raise InvalidArgument("model is required: a model name or a checkpoint directory")
+        try:
+            changed = self.host.load_model(request.model)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        e = self.host.engine
+        return rollout_pb2.LoadModelResponse(model=self.host.model, model_name=e.model_name, vocab_size=e.vocab_size,
+                                             max_context=e.max_context, changed=changed,
+                                             weight_version=e.weight_version)
+
     def GetLoad(self, request: rollout_pb2.GetLoadRequest, context: grpc.ServicerContext) -> Any:
         load = self.host.load()
         engine = self.host.engine
@@ -152,7 +164,7 @@ class EngineServicer(rollout_pb2_grpc.EngineServicer):
             cell_id=self.host.cell_id, active=int(load["active"]), kv_tokens=int(load["kv_tokens"]),
             capacity_tokens=int(load["capacity_tokens"]), weight_version=engine.weight_version,
             model_name=engine.model_name, vocab_size=engine.vocab_size, max_context=engine.max_context,
-            draining=self.host.draining, request_ids=load["request_ids"])
+            draining=self.host.draining, request_ids=load["request_ids"], model=self.host.model)
 
     def Drain(self, request: rollout_pb2.DrainRequest, context: grpc.ServicerContext) -> Any:
         if request.wait_s < 0:

@@ -177,6 +177,8 @@ class JobController:
         if spec.evaluation.tasks:
             self.reward.configure_job(eval_job_id(job.job_id), spec_scorer, timeout_policy=policy)
         self.state.mark_controlled(job.job_id)
+        if not self._load_model(job):
+            return False
         if not self._start_trainer(job, first=True):
             return False
         if not self._engines_serve_the_job(job):
@@ -186,6 +188,29 @@ class JobController:
             "scorer": scorer or "(reward default)", "timeout_policy": policy, "model": spec.model,
             "engines": ",".join(self._engines()), "trainer": getattr(self.trainer, "address", "")})
         blog.info("job prepared", scorer=scorer, engines=self._engines())
+        return True
+
+    def _load_model(self, job: JobStatus) -> bool:
+        """Every engine of the registry serves the job's model (loaded where another one is served;
+        between jobs the engines host nothing). An engine still busy is retried next pass."""
+        from services.rollout.client import EngineClient
+
+        for address in self._engines():
+            with EngineClient(address, timeout_s=600.0) as engine:
+                if engine.get_load().model == job.spec.model:
+                    continue
+                try:
+                    res = engine.load_model(job.spec.model)
+                except InvalidArgument as exc:
+                    self._fail(job.job_id, f"the engine at {address} cannot load the job's model: {exc}")
+                    return False
+                except FailedPrecondition as exc:  # requests of the previous job still finishing
+                    self._error(job.job_id, "load_model", exc)
+                    return False
+            log.info("engine loaded the job's model", job_id=job.job_id, engine=address, model=res.model,
+                     model_name=res.model_name)
+            self.state.append_event(job.job_id, EventKind.ENGINE_MODEL.value,
+                                    {"engine": address, "model": res.model, "model_name": res.model_name})
         return True
 
     def _engines_serve_the_job(self, job: JobStatus, wait_s: float = 30.0) -> bool:

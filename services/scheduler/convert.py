@@ -197,7 +197,7 @@ def lease_from_proto(p: scheduler_pb2.ExecutionLease) -> Lease:
                  payload=p.task_payload, lease_token=p.lease_token, attempt=p.attempt, deadline_s=p.deadline_s,
                  lease_ttl_s=p.lease_ttl_s, lease_expires_s=p.lease_expires_s, evaluation=p.evaluation,
                  greedy=p.greedy, record_job_id=p.record_job_id or p.job_id,
-                 temperature=p.temperature if p.HasField("temperature") else None)
+                 temperature=p.temperature if p.HasField("temperature") else None, model=p.model)
 
 
 def execution_from_proto(p: scheduler_pb2.Execution) -> ExecutionRecord:

@@ -81,6 +81,7 @@ class EventKind(str, Enum):
     SWITCH_ROLLED_BACK = "switch_rolled_back"  # attrs: cell_id, from, to, switch_id, duration_s, error
     METRICS = "metrics"  # periodic snapshot: queued, running, done_in_step, rollout_cells, train_cells
     MIGRATION = "migration"  # a drain moved in-flight requests; attrs: cell_id, migrated, transports, targets
+    ENGINE_MODEL = "engine_model"  # an engine loaded the job's model; attrs: engine, model, model_name
     JOB_PREPARED = "job_prepared"  # the controller configured reward and started the trainer; attrs: scorer, engines
     EVALUATION_STARTED = "evaluation_started"  # a held-out round was enqueued; attrs: round, after_step, tasks
     EVALUATION = "evaluation"  # a round was scored; attrs: round, after_step, pass_rate, mean_reward, statuses
@@ -434,6 +435,7 @@ class Lease:
     greedy: bool = False  # decode greedily (evaluation executions of a greedy evaluation)
     record_job_id: str = ""  # job id its model calls and score are recorded under ("" = job_id)
     temperature: float | None = None  # the job's sampling temperature (0: greedy); None: the harness's own
+    model: str = ""  # the model the job trains (name or checkpoint dir; the engines serve it)
 
 
 def eval_job_id(job_id: str) -> str:

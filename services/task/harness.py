@@ -147,6 +147,9 @@ class Harness:
         self._done_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._chat_tokenizer: Any = None
+        self._model_dirs: dict[str, str] = {}  # a lease's model spec -> its directory
+        self._codecs: dict[str, Codec] = {}
+        self._chats: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()
 
     def start(self) -> Harness:
@@ -200,6 +203,40 @@ class Harness:
 
                 self._chat_tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_dir)
             return self._chat_tokenizer
+
+    def _model_dir(self, lease: Any) -> str:
+        """The directory of the model a lease's job trains (the engines serve it), else ours."""
+        model = getattr(lease, "model", "") or ""
+        if not model or model == self.cfg.model_dir:
+            return self.cfg.model_dir
+        with self._tokenizer_lock:
+            if model not in self._model_dirs:
+                from services.models.source import resolve_model
+
+                self._model_dirs[model] = str(resolve_model(model))
+            return self._model_dirs[model]
+
+    def codec_for(self, lease: Any) -> Codec:
+        """The XLong agent's tokenizer for the lease's model (see ``codec``)."""
+        path = self._model_dir(lease)
+        if path == self.cfg.model_dir:
+            return self.codec
+        with self._tokenizer_lock:
+            if path not in self._codecs:
+                self._codecs[path] = Codec.from_dir(path)
+            return self._codecs[path]
+
+    def chat_tokenizer_for(self, lease: Any) -> Any:
+        """The chat tokenizer of the lease's model (see ``chat_tokenizer``)."""
+        path = self._model_dir(lease)
+        if path == self.cfg.model_dir:
+            return self.chat_tokenizer()
+        with self._tokenizer_lock:
+            if path not in self._chats:
+                from transformers import AutoTokenizer
+
+                self._chats[path] = AutoTokenizer.from_pretrained(path)
+            return self._chats[path]
 
     def temperature(self, lease: Any) -> float:
         """Sampling temperature of one execution: the job's (0 for a greedy evaluation), else ours."""

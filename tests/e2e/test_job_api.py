@@ -97,6 +97,26 @@ def test_the_external_harness_example_runs_a_submitted_job_and_it_is_trained(sta
     assert [int(e["step"]) for e in trained] == [0]
 
 
+@pytest.mark.timeout(900)
+def test_a_job_of_another_checkpoint_has_the_engines_load_it(stack: Path, tmp_path: Path) -> None:
+    """The engines were brought up serving builtin-tiny; a job naming a checkpoint directory (a copy
+    of it: the architecture this 2-core test can afford twice) has every engine load that model before
+    its first rollout, and is trained on it."""
+    import shutil
+
+    ckpt = tmp_path / "my-checkpoint"
+    shutil.copytree(REPO / ".gyre" / "models" / "builtin-tiny", ckpt)
+    job = str(REPO / "deploy" / "config" / "job.toml")
+    job_id = gyre(stack, "submit", job, *SMALL, "--num_steps", "1", "--evaluation.tasks", "0",
+                  "--model", str(ckpt)).stdout.strip().splitlines()[-1]
+    events = [json.loads(x) for x in gyre(stack, "watch", job_id, "--json").stdout.strip().splitlines()]
+    loaded = [e for e in events if e["kind"] == "engine_model"]
+    assert len(loaded) == 2 and all(e["model"] == str(ckpt) for e in loaded), loaded
+    assert events[-1]["state"] == "completed" and events[-1]["weight_version"] == 1
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("engine_model") < kinds.index("job_prepared") < kinds.index("step_started")
+
+
 @pytest.mark.timeout(600)
 def test_bad_job_files_are_refused_in_one_sentence_and_nothing_is_written(stack: Path, tmp_path: Path) -> None:
     before = json.loads(gyre(stack, "jobs", "--json").stdout)

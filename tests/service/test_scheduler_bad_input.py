@@ -70,6 +70,8 @@ def spec(**kw: object) -> pb.JobSpec:
                 p.tasks.CopyFrom(v)  # type: ignore[arg-type]
         elif isinstance(v, list):
             getattr(p, k).extend(v)
+        elif isinstance(v, (pb.Algorithm, pb.Evaluation)):
+            getattr(p, k).CopyFrom(v)
         else:
             setattr(p, k, v)
     return p
@@ -123,6 +125,22 @@ CASES: list[Case] = [
      C.INVALID_ARGUMENT, "timeout_policy"),
     ("submit/duplicate cells", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(spec=spec(cell_ids=["a", "a"]))),
      C.INVALID_ARGUMENT, "more than once"),
+    ("submit/model does not resolve", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(
+        spec=spec(model="/no/such/checkpoint"))), C.INVALID_ARGUMENT, "does not resolve"),
+    ("submit/unknown scorer", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(spec=spec(scorer="builtin:nope"))),
+     C.INVALID_ARGUMENT, "nope"),
+    ("submit/scorer shape", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(spec=spec(scorer="magic"))),
+     C.INVALID_ARGUMENT, "scorer"),
+    ("submit/bad harness", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(spec=spec(harness="robot"))),
+     C.INVALID_ARGUMENT, "harness"),
+    ("submit/eval without held-out tasks", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(
+        spec=spec(tasks=gen("numbered"), evaluation=pb.Evaluation(tasks=4)))), C.INVALID_ARGUMENT, "held-out"),
+    ("submit/bad learning rate", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(
+        spec=spec(algorithm=pb.Algorithm(learning_rate=-1.0)))), C.INVALID_ARGUMENT, "learning_rate"),
+    ("submit/bad aggregation", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(
+        spec=spec(algorithm=pb.Algorithm(loss_aggregation="sum")))), C.INVALID_ARGUMENT, "loss_aggregation"),
+    ("submit/long id", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(spec=spec(job_id="j" * 62))),
+     C.INVALID_ARGUMENT, "-eval"),
     ("submit/taken id", lambda s, i: s.sched.SubmitJob(pb.SubmitJobRequest(spec=spec(job_id="live"))),
      C.ALREADY_EXISTS, "already exists"),
     ("get/empty", lambda s, i: s.sched.GetJob(pb.GetJobRequest()), C.INVALID_ARGUMENT, "job_id is required"),

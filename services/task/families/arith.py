@@ -27,7 +27,7 @@ def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[
     cfg = harness.cfg
     config = ArithConfig(temperature=harness.temperature(lease), timeout_s=cfg.timeout_s)
     deadline = min(lease.deadline_s, time.time() + cfg.timeout_s) if lease.deadline_s else None
-    result = run_arith_execution(task, harness.model, harness.chat_tokenizer(), config=config,
+    result = run_arith_execution(task, harness.model, harness.chat_tokenizer_for(lease), config=config,
                                  job_id=harness.record_job(lease),
                                  execution_id=lease.execution_id, deadline_s=deadline, clock=time.time,
                                  on_progress=preserve, cancelled=cancelled)

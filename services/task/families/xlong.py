@@ -29,7 +29,7 @@ def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[
 
     task = task_from_id(task_id)
     config = dataclasses.replace(harness.cfg.agent, temperature=harness.temperature(lease))
-    result = run_execution(task, harness.model, codec=harness.codec, config=config, job_id=harness.record_job(lease),
+    result = run_execution(task, harness.model, codec=harness.codec_for(lease), config=config, job_id=harness.record_job(lease),
                            execution_id=lease.execution_id, deadline_s=lease.deadline_s, clock=time.time,
                            on_progress=preserve, cancelled=cancelled)
     return RunOutcome(status=result.status, error=result.error, files=result.files,
