@@ -39,7 +39,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.redis_url:
         os.environ["REDIS_URL"] = args.redis_url
     run = RunConfig(engines=args.engines, harness_concurrency=args.harness_concurrency)
-    up, model_dir, _env = bring_up(_launcher(args), run, args.model, echo=print)
+    launcher = _launcher(args)
+    up, model_dir, _env = bring_up(launcher, run, args.model, echo=print)
+    pid = launcher.start_supervisor()
+    print(f"supervisor  restarts whatever dies (pid {pid}, log {launcher.data_dir / 'logs' / 'supervisor.log'})")
     print(f"Gyre is up, serving {model_dir}. `gyre submit deploy/config/job.toml` starts a job; "
           f"`gyre status` shows health; `gyre down` stops everything.")
     return 0
@@ -164,7 +167,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"redis       {status['redis']['url']}")
     for name, s in status["services"].items():
         state = "SERVING" if s["serving"] else ("running, not serving" if s["alive"] else "DEAD")
-        print(f"{name:<11} {s['address']:<22} pid {s['pid']:<8} {state}")
+        restarts = f"  restarted {s['restarts']}x (last: {s['last_exit']})" if s.get("restarts") else ""
+        print(f"{name:<11} {s['address']:<22} pid {s['pid']:<8} {state}{restarts}")
+    sup = status.get("supervisor")
+    print(f"supervisor  {'running' if sup and sup['alive'] else 'NOT RUNNING'}" + (f" (pid {sup['pid']})" if sup else ""))
+    for name, f in status.get("failed", {}).items():
+        print(f"FAILED      {name}: {f['reason']}")
     return 0 if all(s["serving"] for s in status["services"].values()) else 1
 
 

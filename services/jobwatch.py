@@ -73,6 +73,7 @@ class JobView:
                                "weight_version": int(a.get("weight_version", 0) or 0),
                                "heldout_pass_rate": float(a["pass_rate"]), "heldout_reward": float(a["mean_reward"]),
                                "tasks": int(a.get("tasks", 0) or 0), "statuses": json.loads(a.get("statuses") or "{}")})
+            self.evals.sort(key=lambda e: e["round"])  # a later round may be scored first (its tasks ran faster)
         elif kind == "switch_started":
             cell = a.get("cell_id", "")
             self._role(cell, a.get("from", ""), "switching", at)

@@ -141,11 +141,14 @@ class Launcher:
             raise ValueError(f"Gyre is already up (state in {self.state_file}); run `gyre down` first")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        state: dict = {"redis": None, "services": {}}
+        # env: what a restart (services/supervisor.py) starts a process with again
+        state: dict = {"redis": None, "services": {}, "env": {"PYTHONPATH": str(REPO), **(env or {})},
+                       "cwd": str(REPO)}
         self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         if redis_url is None:
-            redis_url, pid = self._start_redis()
-            state["redis"] = {"url": redis_url, "pid": pid}
+            redis_url, pid, command = self._start_redis()
+            state["redis"] = {"url": redis_url, "pid": pid, "command": command,
+                              "log": str(self.data_dir / "logs" / "redis.log")}
             echo(f"redis       {redis_url}  (own redis-server, pid {pid}, AOF in {self.data_dir / 'redis'})")
         else:
             self._check_redis(redis_url)
@@ -208,32 +211,18 @@ class Launcher:
             self._save(state)
             echo(f"{spec.name:<11} worker (pid {running.pid}, log {running.log})")
 
-    def exited(self) -> dict[str, str]:
-        """Services and workers started by this launcher that have exited (a crash, the OOM
-        killer): {name: last log lines}."""
-        out: dict[str, str] = {}
-        for name, svc in self._load().get("services", {}).items():
-            if not svc.get("pid"):
-                continue
-            try:
-                pid, _status = os.waitpid(int(svc["pid"]), os.WNOHANG)
-            except ChildProcessError:
-                pid = int(svc["pid"])  # not our child (another launcher): gone if it cannot be signalled
-                try:
-                    os.kill(pid, 0)
-                    continue
-                except OSError:
-                    pass
-            if pid == 0:
-                continue  # still running
-            try:
-                tail = "\n".join(Path(svc["log"]).read_text(errors="replace").splitlines()[-8:])
-            except OSError:
-                tail = "(no log)"
-            out[name] = tail
-        return out
+    def start_supervisor(self) -> int:
+        """A detached supervisor (services/supervisor.py) that restarts whatever dies, until `down`."""
+        with open(self.data_dir / "logs" / "supervisor.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "services.supervisor", "--data-dir", str(self.data_dir)],
+                                    stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})
+        state = self._load()
+        state["supervisor"] = {"pid": proc.pid, "log": str(self.data_dir / "logs" / "supervisor.log")}
+        self._save(state)
+        return proc.pid
 
-    def _start_redis(self) -> tuple[str, int]:
+    def _start_redis(self) -> tuple[str, int, list[str]]:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ValueError("redis-server is not installed: run `make install` as root (installs the Debian "
@@ -241,16 +230,15 @@ class Launcher:
         port = free_port()
         rdir = self.data_dir / "redis"
         rdir.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(rdir), "--appendonly", "yes",
-             "--save", "", "--daemonize", "no", "--logfile", str(self.data_dir / "logs" / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(rdir), "--appendonly", "yes",
+                   "--save", "", "--daemonize", "no", "--logfile", str(self.data_dir / "logs" / "redis.log")]
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 10
         while True:
             try:
                 redis.Redis.from_url(url, socket_connect_timeout=0.2).ping()
-                return url, proc.pid
+                return url, proc.pid, command
             except redis.exceptions.ConnectionError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise ValueError(f"redis-server did not start; see {self.data_dir / 'logs' / 'redis.log'}")
@@ -279,7 +267,11 @@ class Launcher:
                 except TimeoutError:
                     pass
             services[name] = {"address": svc["address"], "pid": svc["pid"], "alive": alive,
-                              "serving": healthy, **svc.get("info", {})}
+                              "serving": healthy, "restarts": svc.get("restarts", 0),
+                              "last_exit": svc.get("last_exit", ""), **svc.get("info", {})}
+        sup = state.get("supervisor")
+        out["supervisor"] = {"pid": sup["pid"], "alive": _pid_alive(sup["pid"])} if sup else None
+        out["failed"] = state.get("failed", {})
         return out
 
     def down(self, *, grace_s: float = 20.0, echo: Callable[[str], None] = print) -> None:
@@ -287,6 +279,8 @@ class Launcher:
             echo("Gyre is not up")
             return
         state = self._load()
+        if state.get("supervisor"):  # first, so that nothing stopped here is started again
+            _terminate(state["supervisor"]["pid"], grace_s)
         for name, svc in reversed(list(state["services"].items())):
             _terminate(svc["pid"], grace_s)
             echo(f"stopped {name}")

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from services.jobwatch import JobView, follow, write_job_report
 from services.launcher import REPO, Launcher, default_specs, harness_spec
 from services.scheduler.jobfile import DEFAULT_JOB_FILE, load_job
 from services.scheduler.jobs import JobSpec
+from services.supervisor import Supervisor
 
 DEFAULT_RUN_CONFIG = REPO / "deploy" / "config" / "run.toml"
 # Files per task family when --job / --config are not given (the job, then the stack it runs on).
@@ -115,13 +117,18 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
         shutil.rmtree(data_dir)
     launcher = Launcher(data_dir, Path(config_path))
     t0 = time.time()
+    stop_supervising = threading.Event()
+    supervising: threading.Thread | None = None
     try:
         up, _model_dir, _env = bring_up(launcher, run, spec.model, echo=echo)
+        # whatever dies (a crash, the OOM killer) is started again; the job goes on
+        supervisor = Supervisor(launcher.state_file, echo=echo)
+        supervising = supervisor.start_thread(stop_supervising)
         scheduler = SchedulerClient(up["scheduler"].address)
         job = scheduler.submit_job(spec)
         echo(f"job: {job.job_id}")
         view = JobView(job.job_id)
-        state = _watch(run, scheduler, view, t0, echo, exited=launcher.exited)
+        state = _watch(run, scheduler, view, t0, echo, failed=supervisor.failed)
         migrations = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_migrations_total", "transport")
         from services.trainer.client import TrainerClient
         from services.trajectory.client import TrajectoryClient
@@ -142,21 +149,24 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
         return RunResult(job.job_id, spec.mode.value, steps, view.evals, roles, view.switches, time.time() - t0,
                          report, state, migrations, weight_version, dict(view.outcomes))
     finally:
+        stop_supervising.set()
+        if supervising is not None:
+            supervising.join(30)
         launcher.down(echo=lambda _m: None)
 
 
 def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Callable[[str], None],
-           exited: Callable[[], dict[str, str]] | None = None) -> str:
+           failed: Callable[[], dict[str, dict[str, str]]] | None = None) -> str:
     """Live progress until the job ends or the budget runs out; returns the job's final state.
-    ``exited()`` -> {name: log tail} of processes that died: the run stops with that news."""
+    ``failed()`` -> processes whose restart budget is spent: the run stops with that news."""
     from services.progress import Progress
 
     deadline = t0 + run.time_budget_s
-    dead: dict[str, str] = {}
+    dead: dict[str, dict[str, str]] = {}
 
     def stop() -> bool:
         nonlocal dead
-        dead = exited() if exited is not None else {}
+        dead = failed() if failed is not None else {}
         return bool(dead) or time.time() > deadline
 
     with Progress(scheduler, view, quiet=run.quiet, echo=echo) as progress:
@@ -164,13 +174,14 @@ def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Calla
             progress.update()
         progress.update(force=True)
     if dead:
-        name, tail = next(iter(dead.items()))
+        name, info = next(iter(dead.items()))
         try:
-            scheduler.cancel_job(view.job_id, f"the {name} process exited")
+            scheduler.cancel_job(view.job_id, f"the {name} process keeps dying")
         except Exception:  # deliberate: the scheduler may be the process that died
             pass
-        raise RuntimeError(f"the {name} process exited, so the job cannot go on (see its log; `dmesg` shows "
-                           f"whether the OOM killer ended it); its log ends with:\n{tail}")
+        raise RuntimeError(f"the {name} process keeps dying ({info['reason']}), so the job cannot go on (see its "
+                           f"log; `dmesg` shows whether the OOM killer ended it); its log ends with:\n"
+                           f"{info['log_tail']}")
     if not view.ended:
         echo(f"time budget of {run.time_budget_s:.0f}s reached; cancelling the job")
         scheduler.cancel_job(view.job_id, "time budget reached")

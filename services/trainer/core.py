@@ -144,6 +144,7 @@ class CoreTrainer:
                 journal.clear()
             self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
                                     version=version, journal=journal)
+            self.weights.reset()  # versions count per job: a previous job's must not answer for this one's
             snapshot = self.weights.publish(learner.model, version)
             self._stop.clear()
         if job.engine_addresses:

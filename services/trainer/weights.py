@@ -52,6 +52,12 @@ class WeightStore:
         with self._cv:
             return max(self._versions, default=-1)
 
+    def reset(self) -> None:
+        """Forget every version (a new job starts its own lineage at its first version)."""
+        with self._cv:
+            self._versions.clear()
+            self._cv.notify_all()
+
     def publish(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
         snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         with self._cv:

@@ -62,7 +62,7 @@ def test_a_client_with_only_grpc_stubs_trains_a_job(stack: Path) -> None:
     assert res["weight_version"] == 2
     kinds = res["kinds"]
     assert kinds["step_trained"] == 2 and kinds["job_prepared"] == 1 and kinds["execution_completed"] >= 8
-    assert [int(e["after_step"]) for e in res["evaluations"]] == [0, 1, 2]
+    assert sorted(int(e["after_step"]) for e in res["evaluations"]) == [0, 1, 2]  # rounds may end out of order
     assert all(0.0 <= float(e["pass_rate"]) <= 1.0 and int(e["tasks"]) == 2 for e in res["evaluations"])
     # the same job through the CLI: listed, watchable after the fact, reportable
     jobs = json.loads(gyre(stack, "jobs", "--json").stdout)

@@ -1,30 +1,53 @@
-"""The local launcher notices a service that died under it (a crash, the OOM killer), so `gyre run`
-stops with that news instead of waiting out its time budget."""
+"""Supervision of a launched stack (services/supervisor.py): a service that dies (a crash, the OOM
+killer) is started again on its address and serves again; past its restart budget it is left down
+and named, with its log tail, so `gyre run` stops with that news."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
+from services.common.server import wait_for_ready
 from services.launcher import DEFAULT_CONFIG, Launcher, ServiceSpec
+from services.supervisor import RestartPolicy, Supervisor
 
 
-def test_exited_reports_a_killed_service_with_its_log_tail(tmp_path: Path) -> None:
+def _until(cond, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_a_killed_service_is_restarted_on_its_address_until_its_budget_is_spent(tmp_path: Path) -> None:
     launcher = Launcher(tmp_path / "gyre", DEFAULT_CONFIG)
     specs = [ServiceSpec("trajectory", "services.trajectory.main", "trajectory"),
              ServiceSpec("reward", "services.reward.main", "reward",
                          deps=lambda a: ["--trajectory-address", a["trajectory"]])]
+    lines: list[str] = []
+    sup = Supervisor(launcher.state_file, policy=RestartPolicy(initial_backoff_s=0.01, budget=1), echo=lines.append)
     try:
         up = launcher.up(specs, echo=lambda _m: None)
-        assert launcher.exited() == {}
+        assert sup.check() == [] and sup.failed() == {}
+        address = up["reward"].address
         os.kill(up["reward"].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not launcher.exited() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        dead = launcher.exited()
-        assert list(dead) == ["reward"]  # the trajectory service still runs
-        assert "serving" in dead["reward"]  # the tail of its log, for the operator
+        assert _until(lambda: sup.check()) == ["reward"]  # the trajectory service still runs
+        status = launcher.status()["services"]
+        assert status["reward"]["restarts"] == 1 and status["reward"]["address"] == address
+        assert status["reward"]["serving"] and status["reward"]["pid"] != up["reward"].pid
+        wait_for_ready(address, timeout_s=5)
+        # the exit status, when this process still could reap it (Popen may have reaped it first)
+        assert re.match(r"reward (killed by SIGKILL|exited); restarted \(pid \d+, restart 1", lines[-1]), lines
+        os.kill(status["reward"]["pid"], signal.SIGKILL)  # a second death: past the budget of 1
+        assert _until(lambda: sup.check() == [] and sup.failed())
+        failed = sup.failed()
+        assert list(failed) == ["reward"] and "restart budget" in failed["reward"]["reason"]
+        assert "serving" in failed["reward"]["log_tail"]  # the tail of its log, for the operator
+        assert launcher.status()["failed"] == failed
     finally:
         launcher.down(echo=lambda _m: None)

@@ -1,0 +1,108 @@
+"""A crash costs no job: SIGKILL of one process of a live `gyre up` stack while a job runs.
+
+The stack's supervisor (services/supervisor.py, started by `gyre up`) starts the process again
+with its own command on its own address; the job goes on and completes. Checked each time: the
+job completes with every step published once and in order (final weight version = steps), every
+execution of every step ended exactly once, and the killed process was restarted and serves
+again. Everything goes through the `gyre` command and the scheduler's API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+JOB = ["--num_steps", "3", "--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "120",
+       "--tasks.params.num_modules", "3", "--evaluation.tasks", "0"]
+
+
+def gyre(data: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([PY, "-m", "services.cli", "--data-dir", str(data), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "GYRE_MODEL_CACHE": str(REPO / ".gyre" / "models")})
+    assert proc.returncode == 0, f"gyre {' '.join(args)}: {proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    data = tmp_path_factory.mktemp("crash-stack")
+    gyre(data, "up", "--engines", "2", "--harness-concurrency", "4")
+    try:
+        yield data
+    finally:
+        subprocess.run([PY, "-m", "services.cli", "--data-dir", str(data), "down"], cwd=REPO, capture_output=True,
+                       timeout=120)
+
+
+def _state(data: Path) -> dict:
+    return json.loads((data / "run" / "state.json").read_text())
+
+
+def _pid(data: Path, victim: str) -> int:
+    state = _state(data)
+    return int(state["redis"]["pid"] if victim == "redis" else state["services"][victim]["pid"])
+
+
+def _until_running(data: Path, job_id: str, timeout_s: float = 120.0) -> None:
+    from services.scheduler.client import SchedulerClient
+
+    with SchedulerClient(_state(data)["services"]["scheduler"]["address"]) as c:
+        deadline = time.monotonic() + timeout_s
+        while c.get_job(job_id).running == 0:
+            assert time.monotonic() < deadline, "no execution of the job started"
+            time.sleep(0.05)
+
+
+# when to kill: "leased" once executions of the first step run, "trained" right after step 0 is published
+VICTIMS = [("engine-1", "leased"), ("cell-1", "leased"), ("gateway", "leased"), ("reward", "leased"),
+           ("trajectory", "leased"), ("harness", "leased"), ("trainer", "trained"), ("scheduler", "trained"),
+           ("redis", "trained")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("victim,moment", VICTIMS, ids=[v for v, _ in VICTIMS])
+def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, moment: str) -> None:
+    job_id = gyre(stack, "submit", str(REPO / "deploy" / "config" / "job.toml"), *JOB).stdout.strip().splitlines()[-1]
+    before = _pid(stack, victim)
+    watch = subprocess.Popen([PY, "-m", "services.cli", "--data-dir", str(stack), "watch", job_id, "--json"], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    assert watch.stdout is not None
+    events: list[dict] = []
+    try:
+        for line in watch.stdout:
+            events.append(json.loads(line))
+            k = events[-1]["kind"]
+            if (moment == "leased" and k == "step_started") or (moment == "trained" and k == "step_trained"):
+                break
+        if moment == "leased":  # kill while executions of the step are in flight
+            _until_running(stack, job_id)
+        os.kill(before, signal.SIGKILL)
+        events += [json.loads(line) for line in watch.stdout]
+        assert watch.wait(timeout=700) == 0, events[-3:]
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    last = events[-1]
+    assert last["kind"] == "end" and last["state"] == "completed" and last["weight_version"] == 3, last
+    assert [int(e["step"]) for e in events if e["kind"] == "step_trained"] == [0, 1, 2]
+    ended = [e["execution_id"] for e in events if e["kind"] == "execution_completed" and not e.get("evaluation")]
+    assert len(ended) == len(set(ended)) == 3 * 4, sorted(ended)
+    assert all(e["status"] in ("finished", "timeout", "failed") for e in events if e["kind"] == "execution_completed")
+    status = json.loads(gyre(stack, "status", "--json").stdout)
+    if victim == "redis":
+        assert _pid(stack, "redis") != before
+    else:
+        svc = status["services"][victim]
+        assert svc["pid"] != before and svc["restarts"] >= 1 and svc["alive"], svc
+        assert svc["serving"] or not svc["address"], svc
+    assert status["failed"] == {}
