@@ -69,7 +69,7 @@ class ServicesActuator:
         elif from_role is Role.TRAIN:
             try:
                 released = self.trainer.release_replica(cell.cell_id, wait_s=self.timeout_s)
-            except NotFound:  # no replica runs there (any more): the cell is free
+            except (NotFound, FailedPrecondition):  # no replica (or no job: a restarted trainer) there
                 released = True
             if not released:
                 raise Unavailable(f"the trainer did not release {cell.cell_id} within {self.timeout_s:.0f}s")

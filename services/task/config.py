@@ -23,6 +23,8 @@ class HarnessConfig:
     lease_wait_s: float = setting(5.0, "Long-poll wait for work, seconds.")
     call_timeout_s: float = setting(300.0, "Longest one model call may take, seconds.")
     call_retries: int = setting(3, "Retries of a model call the gateway answered UNAVAILABLE.")
+    reward_retry_s: float = setting(300.0, "How long an ended execution's workspace and score are retried while "
+                                           "the reward service is unreachable (its lease kept meanwhile).")
     max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
     context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
     fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
@@ -38,6 +40,7 @@ class HarnessConfig:
         check(self.lease_wait_s >= 0, "lease_wait_s", self.lease_wait_s, ">= 0 seconds")
         check(self.call_timeout_s > 0, "call_timeout_s", self.call_timeout_s, "> 0 seconds")
         check(self.call_retries >= 0, "call_retries", self.call_retries, ">= 0")
+        check(self.reward_retry_s >= 0, "reward_retry_s", self.reward_retry_s, ">= 0 seconds")
         check(self.max_executions >= 0, "max_executions", self.max_executions, ">= 0")
         for name in ("scheduler", "gateway", "reward"):
             value = getattr(self, name)

@@ -287,7 +287,12 @@ class Harness:
             task_id = str(json.loads(lease.payload)["task_id"])
 
             def preserve(snapshot: dict[str, bytes]) -> None:
-                self.reward.submit_workspace(job, eid, snapshot, task_id=task_id)
+                # best effort: a snapshot lets a timed-out run be scored partially; the final one counts
+                try:
+                    self._reward_call("preserve workspace", lambda: self.reward.submit_workspace(
+                        job, eid, snapshot, task_id=task_id), blog, budget_s=10.0)
+                except errors.GyreError as exc:
+                    blog.warning("workspace snapshot not preserved; the execution goes on", error=str(exc))
 
             family = registry.family_of_task(task_id)
             if not family.runner:
@@ -302,21 +307,45 @@ class Harness:
             reason = f"{type(exc).__name__}: {exc}"
             blog.warning("execution failed", error=reason)
         finally:
-            ended.set()
             self.model.forget(eid)
+        # The score must be stored before the execution is completed: a completed, unscored
+        # execution would never reach its training step. The lease keeps being renewed meanwhile.
         try:
             if files:
-                self.reward.submit_workspace(job, eid, files, task_id=task_id)
-            self.reward.score(job, eid, status, timeout_policy=self._timeout_policy(lease.job_id),
-                              group_id=lease.group_id, step=lease.step, task_id=task_id)
+                self._reward_call("submit workspace", lambda: self.reward.submit_workspace(
+                    job, eid, files, task_id=task_id), blog, budget_s=self.cfg.reward_retry_s)
+            self._reward_call("score", lambda: self.reward.score(
+                job, eid, status, timeout_policy=self._timeout_policy(lease.job_id), group_id=lease.group_id,
+                step=lease.step, task_id=task_id), blog, budget_s=self.cfg.reward_retry_s)
         except errors.FailedPrecondition:
             pass  # already scored (a re-leased attempt of an execution that another attempt finished)
-        except errors.GyreError as exc:
-            blog.warning("reward failed", error=str(exc))
+        except errors.GyreError as exc:  # its lease (no longer renewed) expires: run again, or a timeout
+            blog.warning("reward unreachable; the execution is left to its lease (run again, or scored as a "
+                         "timeout from its preserved workspace)", error=str(exc))
+            return
+        finally:
+            ended.set()  # stop renewing the lease
         try:
             self.scheduler.complete(eid, lease.lease_token, ExecState(status), reason[:500])
         except errors.GyreError as exc:
             blog.warning("complete failed", error=str(exc))
+
+    def _reward_call(self, what: str, fn: Any, blog: Any, *, budget_s: float) -> Any:
+        """``fn()`` retried with backoff and jitter while the reward service is unreachable (a
+        restart), for up to ``budget_s``; each retry logged."""
+        deadline = time.monotonic() + budget_s
+        pause = 0.2
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except (errors.Unavailable, errors.DeadlineExceeded) as exc:
+                attempt += 1
+                if time.monotonic() + pause > deadline or self.stopping.is_set():
+                    raise
+                blog.warning("reward unavailable; retrying", call=what, attempt=attempt, error=str(exc))
+                time.sleep(pause * (0.5 + random.random()))
+                pause = min(5.0, pause * 2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

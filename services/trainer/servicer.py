@@ -116,11 +116,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise InvalidArgument("AddReplica needs cell_id and wait_s >= 0")
         if self.replicas is None:
             raise FailedPrecondition("this trainer does not start replica processes (cell agents do)")
-        membership = self._membership()
+        self._membership()  # a job runs here
+        phase = self.core.status().get("phase")
+        if phase in ("done", "failed", "stopped"):
+            raise FailedPrecondition(f"the trainer's job is {phase}; no replica joins it")
         spawned = self.replicas.start(request.cell_id, request.switch_id)
         deadline = time.monotonic() + (request.wait_s or 120.0)
         while time.monotonic() < deadline:
-            for mem in membership.members():
+            # read afresh: the replica joins the job that runs when it starts (which may be a newer one)
+            for mem in self._membership().members():
                 if mem["replica_id"] == spawned.replica_id and not mem["left"]:
                     return trainer_pb2.AddReplicaResponse(replica_id=spawned.replica_id, step=int(mem["step"]),
                                                           pid=spawned.proc.pid)
