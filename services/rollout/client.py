@@ -102,6 +102,10 @@ class EngineClient(GrpcClient):
         resp = self._call(self._stub.AcceptMigration, req)
         return wire.transport_from_proto(resp.transport), resp.receiver_address, resp.cell_id
 
+    def update_weights_from(self, chunks: Iterable[common_pb2.WeightChunk]) -> rollout_pb2.UpdateWeightsResponse:
+        """UpdateWeights from an existing WeightChunk stream (e.g. the trainer's GetWeights)."""
+        return self._call(self._stub.UpdateWeights, iter(chunks), 600.0)
+
     def get_load(self, timeout_s: float | None = None) -> rollout_pb2.EngineLoad:
         return self._call(self._stub.GetLoad, rollout_pb2.GetLoadRequest(), timeout_s)
 

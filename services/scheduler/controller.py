@@ -282,6 +282,7 @@ class JobController:
         status = self.trainer.status()
         if status.job_id == job.job_id:
             self._catch_up(job, int(status.weight_version))
+            self._resync_engines(job, int(status.weight_version))
         if status.job_id == job.job_id and status.phase not in ("failed", "stopped", "idle"):
             return
         why = f"phase {status.phase or 'idle'}" + (f", error: {status.error}" if status.error else "")
@@ -290,6 +291,23 @@ class JobController:
         self.state.append_event(job.job_id, EventKind.CONTROLLER_ERROR.value,
                                 {"stage": "trainer", "error": f"trainer {why}; restarting the trainer job"})
         self._start_trainer(job, first=False)
+
+    def _resync_engines(self, job: JobStatus, version: int) -> None:
+        """An engine that restarted serves its base weights: relay it the trainer's current version
+        (the trainer's GetWeights stream into the engine's UpdateWeights, chunks as they are)."""
+        from services.rollout.client import EngineClient
+
+        for address in self._engines():
+            try:
+                with EngineClient(address, timeout_s=10.0) as engine:
+                    load = engine.get_load()
+                    if load.model != job.spec.model or load.weight_version >= version:
+                        continue
+                    engine.update_weights_from(self.trainer.weight_chunks(version))
+                log.warning("engine behind the job's weights (restarted?); sent it the current version",
+                            job_id=job.job_id, engine=address, had=load.weight_version, version=version)
+            except GyreError as exc:  # down or restarting: next check
+                log.info("engine not resynced yet", engine=address, error=str(exc))
 
     def _catch_up(self, job: JobStatus, trainer_version: int) -> None:
         """Apply publications the trainer made but whose report never arrived (the scheduler was

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
+from protos.gyre.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.client import GrpcClient
 from services.common.weights import chunk_state_dict
 from services.trainer import wire
@@ -56,6 +56,11 @@ class TrainerClient(GrpcClient):
 
         req = trainer_pb2.GetWeightsRequest(version=version, wait_s=wait_s, chunk_bytes=chunk_bytes)
         return assemble(wire.chunk_to_dict(c) for c in self._stream(self._stub.GetWeights, req, wait_s + 600.0))
+
+    def weight_chunks(self, version: int = -1, *, chunk_bytes: int = 0) -> Iterator[common_pb2.WeightChunk]:
+        """The raw WeightChunk stream of a published version (relayed as is, e.g. to an engine)."""
+        req = trainer_pb2.GetWeightsRequest(version=version, chunk_bytes=chunk_bytes)
+        return self._stream(self._stub.GetWeights, req, 600.0)
 
     # -- replica protocol -------------------------------------------------------------------------
     def join_step(self, replica_id: str, cell_id: str) -> tuple[JoinTicket, TrainerJob, str]:
