@@ -20,17 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import gyre
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 JOB = ["--num_steps", "3", "--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "120",
        "--tasks.params.num_modules", "3", "--evaluation.tasks", "0"]
-
-
-def gyre(data: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([PY, "-m", "services.cli", "--data-dir", str(data), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "GYRE_MODEL_CACHE": str(REPO / ".gyre" / "models")})
-    assert proc.returncode == 0, f"gyre {' '.join(args)}: {proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import gyre
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 SMALL = ["--num_steps", "2", "--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "60",
          "--tasks.params.num_modules", "2", "--evaluation.tasks", "2", "--evaluation.every", "1"]
-
-
-def gyre(data_dir: Path, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GYRE_MODEL_CACHE": str(REPO / ".gyre" / "models")}
-    proc = subprocess.run([PY, "-m", "services.cli", "--data-dir", str(data_dir), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"gyre {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
 
 
 @pytest.fixture(scope="module")
