@@ -240,6 +240,48 @@ def wait_for_ready(address: str, *, timeout_s: float = 30.0, service: str = "") 
     raise TimeoutError(f"{address} did not become healthy within {timeout_s:.0f}s (last error: {last})")
 
 
+def local_address_towards(host: str, port: int = 9) -> str:
+    """The address of this machine's interface that traffic to ``host`` leaves from (no packet is
+    sent: connecting a UDP socket only picks the route)."""
+    import socket
+
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
+
+
+def _peer_host(peer: str) -> str:
+    """Host part of ``host:port``, ``[v6]:port`` or a ``redis://user:pw@host:port/db`` URL."""
+    from urllib.parse import urlsplit
+
+    if "://" in peer:
+        return urlsplit(peer).hostname or ""
+    host = peer.rsplit(":", 1)[0] if ":" in peer else peer
+    return host.strip("[]")
+
+
+def advertised_host(bind_host: str, advertise: str = "", *, towards: str = "") -> str:
+    """The host other machines dial for a server bound to ``bind_host``.
+
+    ``advertise`` when set; the bind host when it is a concrete address; for a wildcard bind
+    (0.0.0.0, ::), the address of the interface that reaches ``towards`` (a peer this process talks
+    to: its scheduler, Redis...), so a multi-host deployment needs no per-host setting; 127.0.0.1
+    only when nothing better is known.
+    """
+    if advertise:
+        return advertise
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    peer = _peer_host(towards) if towards else ""
+    if peer:
+        try:
+            return local_address_towards(peer)
+        except OSError:  # no route yet (the peer's network is not up): the safe local default
+            pass
+    return "127.0.0.1"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on ``host`` (for processes that must be told a port up front)."""
     import socket

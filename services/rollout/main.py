@@ -53,7 +53,10 @@ def build_engine(cfg: EngineConfig) -> Built:
     from services.rollout.host import EngineHost
     from services.rollout.servicer import EngineServicer
 
-    advertised = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "::") else "127.0.0.1")
+    from services.common.server import advertised_host
+
+    # a wildcard bind advertises the interface towards Redis (the deployment's shared network)
+    advertised = advertised_host(cfg.host, cfg.advertise_host, towards=cfg.gateway_address or cfg.redis_url)
     host = EngineHost(_load_engine(cfg), cell_id=cfg.cell_id, kv_kinds=cfg.kv_transports, kv_host=advertised,
                       model=cfg.model, loader=lambda model: _load_engine(dataclasses.replace(cfg, model=model)))
     servicer = EngineServicer(host, connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),

@@ -8,6 +8,12 @@
     TRAIN -> ROLLOUT   trainer.ReleaseReplica(cell)   the replica leaves now (gradient hand-off) and exits
                        gateway.RegisterEngine(cell)   the engine (at the cell's address) is routable again
 
+A cell whose agent ``hosts_replica`` (its ``train_command`` is set: the replica runs on the cell's
+own host, as it must when cells are separate machines) is switched through its agent as well:
+ROLLOUT -> TRAIN drains, then the agent starts the replica and the trainer only waits for it to join
+(``AddReplica(hosted)``); TRAIN -> ROLLOUT releases it at the trainer, then the agent stops it
+(SIGTERM: it hands off its gradient and exits).
+
 ``AgentActuator`` - each cell runs a ``CellAgent`` (``cell_agent.py``) that owns the cell's role
 process. A busy ROLLOUT cell is drained through the gateway first (when one is configured; without
 one a busy cell is refused, since nothing could migrate its work), then the agent switches.
@@ -68,13 +74,24 @@ class ServicesActuator:
             info = _drain(self.gateway, cell)
         elif from_role is Role.TRAIN:
             try:
-                released = self.trainer.release_replica(cell.cell_id, wait_s=self.timeout_s)
+                # a hosted replica is released here and stopped by its agent below
+                released = self.trainer.release_replica(cell.cell_id, wait_s=0.0 if cell.hosts_replica
+                                                        else self.timeout_s) or cell.hosts_replica
             except (NotFound, FailedPrecondition):  # no replica (or no job: a restarted trainer) there
                 released = True
             if not released:
                 raise Unavailable(f"the trainer did not release {cell.cell_id} within {self.timeout_s:.0f}s")
+        if cell.hosts_replica:
+            with CellAgentClient(cell.address, timeout_s=self.timeout_s) as agent:
+                role, took = agent.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id,
+                                            job_id=job.job_id, step=job.current_step,
+                                            weight_version=job.weight_version)
+            if role is not to_role:
+                raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
+            log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
         if to_role is Role.TRAIN:
-            self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0))
+            self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0),
+                                     hosted=cell.hosts_replica)
         elif to_role is Role.ROLLOUT:
             try:
                 # "": the engine the gateway knew for this cell before the drain (the cell's

@@ -17,7 +17,7 @@ from protos.gyre.v1 import scheduler_pb2_grpc
 from services.common.entry import Built, run_service
 from services.common.errors import GyreError, NotFound
 from services.common.logging import get_logger
-from services.common.server import build_server
+from services.common.server import advertised_host, build_server
 from services.scheduler.cell_agent import CellAgent
 from services.scheduler.client import SchedulerClient
 from services.scheduler.config import CellAgentConfig
@@ -54,9 +54,10 @@ class Reporter:
     def _register(self) -> None:
         cfg = self.cfg
         self.client.register_cell(cell_id=cfg.cell_id, address=self.address, role=self.agent.role,
-                                  host=cfg.advertise_host or cfg.host, is_core=cfg.is_core,
+                                  host=self.address.rsplit(":", 1)[0], is_core=cfg.is_core,
                                   kv_capacity_tokens=cfg.kv_capacity_tokens, num_accelerators=cfg.num_accelerators,
-                                  engine_address=cfg.engine_address)
+                                  engine_address=cfg.engine_address,
+                                  hosts_replica=bool(cfg.train_command) and not cfg.is_core)
         log.info("cell registered", cell_id=cfg.cell_id, address=self.address, role=self.agent.role.value)
 
     def _load(self) -> tuple[int, int, int, int]:
@@ -97,7 +98,8 @@ def build_agent(cfg: CellAgentConfig) -> Built:
     server = build_server("cell-agent", [(scheduler_pb2_grpc.add_CellAgentServicer_to_server, CellAgentServicer(agent))],
                           service_names=[AGENT_SERVICE_NAME], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
-    reporter = Reporter(cfg, agent, f"{cfg.advertise_host or cfg.host}:{server.port}").start()
+    host = advertised_host(cfg.host, cfg.advertise_host, towards=cfg.scheduler_address)  # who dials us
+    reporter = Reporter(cfg, agent, f"{host}:{server.port}").start()
 
     def on_shutdown() -> None:
         reporter.stop()

@@ -237,7 +237,7 @@ class SchedulerApi:
 
     def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
                       kv_capacity_tokens: int, num_accelerators: int,
-                      engine_address: str = "") -> tuple[CellRecord, bool]:
+                      engine_address: str = "", hosts_replica: bool = False) -> tuple[CellRecord, bool]:
         check_id(_require(cell_id, "cell_id"), "cell_id")
         _require(address, "address")
         if ":" not in address:
@@ -246,11 +246,14 @@ class SchedulerApi:
             raise InvalidArgument(f"engine_address {engine_address[:80]!r} must be host:port")
         if engine_address and is_core:
             raise InvalidArgument("the core cell trains and never serves an engine; register it without engine_address")
+        if hosts_replica and is_core:
+            raise InvalidArgument("the core cell is the trainer; hosts_replica is for cells that switch to train")
         if kv_capacity_tokens < 0 or num_accelerators < 0:
             raise InvalidArgument("kv_capacity_tokens and num_accelerators must be >= 0")
         created = self.state.register_cell(cell_id=cell_id, address=address, host=host, role=role, is_core=is_core,
                                            kv_capacity_tokens=kv_capacity_tokens,
-                                           num_accelerators=max(num_accelerators, 1), engine_address=engine_address)
+                                           num_accelerators=max(num_accelerators, 1), engine_address=engine_address,
+                                           hosts_replica=hosts_replica)
         log.info("cell registered", cell_id=cell_id, address=address, role=role.value, core=is_core, new=created)
         return self.state.get_cell(cell_id), created
 

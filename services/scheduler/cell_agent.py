@@ -6,7 +6,7 @@ through the ``CellAgent`` RPC) stops the current child gracefully (SIGTERM, then
 ``stop_grace_s``) and starts the new role's command. The scheduler drains a ROLLOUT cell through
 the gateway *before* asking its agent to switch, so stopping the engine interrupts nothing.
 
-Commands are templates with ``{cell_id} {job_id} {step} {weight_version}``; an empty command
+Commands are templates with ``{cell_id} {job_id} {step} {weight_version} {switch_id}``; an empty command
 means the role needs no process on this cell (e.g. a trainer replica hosted elsewhere).
 
 Lifecycle: built (role, no child) -> start() (child of the initial role) -> set_role()* -> stop().
@@ -46,7 +46,7 @@ class CellAgent:
         self.switches = 0
         self._child: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
-        self._context: dict[str, object] = {"job_id": "", "step": 0, "weight_version": 0}
+        self._context: dict[str, object] = {"job_id": "", "step": 0, "weight_version": 0, "switch_id": "start"}
 
     @property
     def role(self) -> Role:
@@ -84,7 +84,8 @@ class CellAgent:
                 if self.switch_delay_s > 0:
                     time.sleep(self.switch_delay_s)
                 self._role = role
-                self._context = {"job_id": job_id, "step": step, "weight_version": weight_version}
+                self._context = {"job_id": job_id, "step": step, "weight_version": weight_version,
+                                 "switch_id": switch_id}
                 self._launch()
                 self.switches += 1
             self.last_switch_id = switch_id

@@ -114,10 +114,12 @@ class SchedulerClient(GrpcClient):
 
     # -- cells
     def register_cell(self, *, cell_id: str, address: str, role: Role, host: str = "", is_core: bool = False,
-                      kv_capacity_tokens: int = 0, num_accelerators: int = 1, engine_address: str = "") -> bool:
+                      kv_capacity_tokens: int = 0, num_accelerators: int = 1, engine_address: str = "",
+                      hosts_replica: bool = False) -> bool:
         req = pb.RegisterCellRequest(cell_id=cell_id, address=address, host=host, role=ROLE_TO_PB[role],
                                      is_core=is_core, kv_capacity_tokens=kv_capacity_tokens,
-                                     num_accelerators=num_accelerators, engine_address=engine_address)
+                                     num_accelerators=num_accelerators, engine_address=engine_address,
+                                     hosts_replica=hosts_replica)
         return bool(self._call(self._cells.RegisterCell, req).created)
 
     def cell_heartbeat(self, cell_id: str, *, role: Role, inflight: int = 0, kv_used_tokens: int = 0,
@@ -162,9 +164,10 @@ class TrainerMembershipClient(GrpcClient):
         super().__init__(address, timeout_s=timeout_s, max_message_mb=64)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
-    def add_replica(self, cell_id: str, *, switch_id: str, wait_s: float) -> str:
-        """Start a trainer replica on ``cell_id`` that joins the running step; returns its replica id."""
-        req = trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id, wait_s=wait_s)
+    def add_replica(self, cell_id: str, *, switch_id: str, wait_s: float, hosted: bool = False) -> str:
+        """Start a trainer replica on ``cell_id`` that joins the running step (``hosted``: the cell's
+        agent starts it; only wait for it to join); returns its replica id."""
+        req = trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id, wait_s=wait_s, hosted=hosted)
         return str(self._call(self._stub.AddReplica, req, wait_s + 30.0).replica_id)
 
     def release_replica(self, cell_id: str, *, wait_s: float) -> bool:

@@ -78,8 +78,12 @@ class CellAgentConfig(ServerConfig):
     num_accelerators: int = setting(1, "Accelerators in this cell.")
     heartbeat_interval_s: float = setting(2.0, "Seconds between heartbeats to the scheduler.")
     engine_address: str = setting("", "The cell's rollout Engine; its GetLoad gives inflight and KV use.")
-    rollout_command: str = setting("", "Command run while in ROLLOUT ({cell_id} {job_id} {step} {weight_version}).")
-    train_command: str = setting("", "Command run while in TRAIN (same placeholders).")
+    rollout_command: str = setting("", "Command run while in ROLLOUT ({cell_id} {job_id} {step} {weight_version} "
+                                       "{switch_id}).")
+    train_command: str = setting("", "Command run while in TRAIN (same placeholders). Set on a rollout cell, it "
+                                     "runs the trainer replica on this cell's host (the services actuator then "
+                                     "only waits for it to join), e.g. 'python -m services.trainer.main --replica "
+                                     "--core TRAINER:PORT --cell-id {cell_id} --replica-id {cell_id}-{switch_id}'.")
     stop_grace_s: float = setting(10.0, "SIGTERM grace of a role process before SIGKILL, seconds.")
     switch_delay_s: float = setting(0.0, "Extra seconds each switch takes (demos, crash tests).")
 

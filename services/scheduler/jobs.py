@@ -482,6 +482,7 @@ class CellRecord:
     last_switch_s: float = 0.0  # duration of the last completed switch
     num_accelerators: int = 1
     engine_address: str = ""  # the cell's rollout Engine (weights are published to it)
+    hosts_replica: bool = False  # its agent runs the trainer replica on the cell's host
 
 
 @dataclass(frozen=True)

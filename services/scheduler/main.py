@@ -95,7 +95,10 @@ def _job_controller(cfg: SchedulerConfig, state: Any, reward: Any, port: int,
 
     trainer = TrainerClient(cfg.trainer_address, timeout_s=cfg.actuator_timeout_s)
     trajectory = TrajectoryClient(cfg.trajectory_address)
-    advertise = cfg.advertise_address or f"{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{port}"
+    from services.common.server import advertised_host
+
+    # the trainer reports progress here: a wildcard bind advertises the interface towards it
+    advertise = cfg.advertise_address or f"{advertised_host(cfg.host, towards=cfg.trainer_address)}:{port}"
     root = cfg.checkpoint_dir or str(Path(cfg.spool_dir).resolve() / "checkpoints")
     controller = JobController(state, trainer=trainer, trajectory=trajectory, reward=reward,
                                trajectory_address=cfg.trajectory_address, scheduler_address=advertise, checkpoint_root=root,

@@ -115,7 +115,8 @@ class CellsServicer(scheduler_pb2_grpc.CellsServicer):
         cell, created = self.api.register_cell(
             cell_id=request.cell_id, address=request.address, host=request.host, role=role,  # type: ignore[arg-type]
             is_core=request.is_core, kv_capacity_tokens=request.kv_capacity_tokens,
-            num_accelerators=request.num_accelerators, engine_address=request.engine_address)
+            num_accelerators=request.num_accelerators, engine_address=request.engine_address,
+            hosts_replica=request.hosts_replica)
         return pb.RegisterCellResponse(cell=cell_to_proto(cell), created=created)
 
     def CellHeartbeat(self, request: pb.CellHeartbeatRequest,

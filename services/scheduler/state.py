@@ -462,7 +462,8 @@ class SchedulerState:
     # ---------------------------------------------------------------- cells
 
     def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
-                      kv_capacity_tokens: int, num_accelerators: int = 1, engine_address: str = "") -> bool:
+                      kv_capacity_tokens: int, num_accelerators: int = 1, engine_address: str = "",
+                      hosts_replica: bool = False) -> bool:
         """Register (or re-register) a cell; True when it is new."""
         if role not in (Role.ROLLOUT, Role.TRAIN, Role.IDLE):
             raise InvalidArgument(f"a cell registers as rollout, train or idle, not {role.value}")
@@ -471,7 +472,8 @@ class SchedulerState:
         res = self._run("REGISTER_CELL", [self.keys.cell(cell_id), self.keys.cells],
                         [cell_id, self.now_ms(), role.value, "address", address, "host", host,
                          "is_core", int(is_core), "kv_capacity_tokens", kv_capacity_tokens,
-                         "num_accelerators", num_accelerators, "engine_address", engine_address])
+                         "num_accelerators", num_accelerators, "engine_address", engine_address,
+                         "hosts_replica", int(hosts_replica)])
         return bool(res[1])
 
     def cell_heartbeat(self, cell_id: str, *, inflight: int, kv_used_tokens: int, kv_capacity_tokens: int,
@@ -595,4 +597,5 @@ def _cell(cell_id: str, h: dict[Any, Any]) -> CellRecord:
         switch_migrate_to=tuple(t for t in _s(g("switch_migrate_to")).split(",") if t),
         last_switch_s=_i(g("last_switch_ms")) / 1000,
         num_accelerators=_i(g("num_accelerators"), 1), engine_address=_s(g("engine_address")),
+        hosts_replica=bool(_i(g("hosts_replica"))),
     )

@@ -93,9 +93,10 @@ class TrainerClient(GrpcClient):
         return int(self._call(self._stub.HandOffGradients, chunks(), 600.0).step)
 
     # -- orchestrator -----------------------------------------------------------------------------
-    def add_replica(self, cell_id: str, *, switch_id: str = "", wait_s: float = 120.0) -> trainer_pb2.AddReplicaResponse:
-        return self._call(self._stub.AddReplica, trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id,
-                                                                               wait_s=wait_s), wait_s + 30.0)
+    def add_replica(self, cell_id: str, *, switch_id: str = "", wait_s: float = 120.0,
+                    hosted: bool = False) -> trainer_pb2.AddReplicaResponse:
+        req = trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id, wait_s=wait_s, hosted=hosted)
+        return self._call(self._stub.AddReplica, req, wait_s + 30.0)
 
     def release_replica(self, *, cell_id: str = "", replica_id: str = "",
                         wait_s: float = 0.0) -> trainer_pb2.ReleaseReplicaResponse:

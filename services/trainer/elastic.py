@@ -25,6 +25,7 @@ does not report within ``member_timeout_s`` of the core being done is evicted.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -269,7 +270,27 @@ def open_group(seal: Seal, *, store_host: str, store_port: int, backend: str,
         return dist.ProcessGroupNCCL(prefixed, seal.rank, seal.world_size, opts)
     if backend != "gloo":
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    return dist.ProcessGroupGloo(prefixed, seal.rank, seal.world_size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [gloo_device(store_host, store_port)]
+    return dist.ProcessGroupGloo(prefixed, seal.rank, seal.world_size, opts)
+
+
+def gloo_device(store_host: str, store_port: int) -> object:
+    """Gloo's transport device on the interface that reaches the rendezvous store.
+
+    Gloo's default resolves this machine's hostname, which is often 127.0.0.1 in /etc/hosts: peers
+    on other hosts would then be told to dial their own loopback. GLOO_SOCKET_IFNAME, when set,
+    still wins (as in torch.distributed).
+    """
+    import torch.distributed as dist
+
+    from services.common.server import local_address_towards
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+    return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(store_host, store_port))
 
 
 def all_reduce_step(group: object, buckets: list[list[torch.nn.Parameter]], stats_vec: torch.Tensor,

@@ -30,7 +30,13 @@ def build_trainer(cfg: TrainerConfig) -> Built:
     from services.trainer.servicer import TrainerServicer
     from services.trainer.spawn import ReplicaProcesses
 
-    core = CoreTrainer(store_host=cfg.store_host, store_port=cfg.store_port, advertise_host=cfg.advertise_host,
+    from services.common.server import advertised_host
+
+    # replicas on other hosts dial the store and this server: a wildcard bind advertises the
+    # interface towards the trajectory service (the deployment's network) unless told otherwise
+    advertise = advertised_host(cfg.store_host, cfg.advertise_host,
+                                towards=cfg.trajectory_address or cfg.redis_url)
+    core = CoreTrainer(store_host=cfg.store_host, store_port=cfg.store_port, advertise_host=advertise,
                        member_timeout_s=cfg.member_timeout_s, collective_timeout_s=cfg.collective_timeout_s,
                        publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
     servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
@@ -38,7 +44,8 @@ def build_trainer(cfg: TrainerConfig) -> Built:
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
                           service_names=[TRAINER_SERVICE], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
-    replicas = ReplicaProcesses(f"{cfg.advertise_host or cfg.host}:{server.port}", log_dir=cfg.replica_log_dir)
+    replicas = ReplicaProcesses(f"{advertised_host(cfg.host, cfg.advertise_host, towards=cfg.trajectory_address)}"
+                                f":{server.port}", log_dir=cfg.replica_log_dir)
     servicer.replicas = replicas
 
     def on_shutdown() -> None:

@@ -114,12 +114,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def AddReplica(self, request: trainer_pb2.AddReplicaRequest, context: Any) -> trainer_pb2.AddReplicaResponse:
         if not request.cell_id or request.wait_s < 0:
             raise InvalidArgument("AddReplica needs cell_id and wait_s >= 0")
-        if self.replicas is None:
+        if self.replicas is None and not request.hosted:
             raise FailedPrecondition("this trainer does not start replica processes (cell agents do)")
         self._membership()  # a job runs here
         phase = self.core.status().get("phase")
         if phase in ("done", "failed", "stopped"):
             raise FailedPrecondition(f"the trainer's job is {phase}; no replica joins it")
+        if request.hosted:
+            return self._await_hosted(request.cell_id, request.wait_s or 120.0)
+        assert self.replicas is not None
         spawned = self.replicas.start(request.cell_id, request.switch_id)
         deadline = time.monotonic() + (request.wait_s or 120.0)
         while time.monotonic() < deadline:
@@ -133,6 +136,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                          f"{spawned.proc.returncode} before joining (log in replica-{request.cell_id}.log)")
             time.sleep(0.05)
         raise FailedPrecondition(f"replica for cell {request.cell_id!r} did not join within {request.wait_s or 120.0}s")
+
+    def _await_hosted(self, cell_id: str, wait_s: float) -> trainer_pb2.AddReplicaResponse:
+        """A replica another process started for ``cell_id`` (its cell agent, on the cell's host):
+        wait until it has joined a step (a member of that cell that has not left)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for mem in self._membership().members():
+                if mem["cell_id"] == cell_id and not (mem["left"] or mem["evicted"]):
+                    return trainer_pb2.AddReplicaResponse(replica_id=str(mem["replica_id"]), step=int(mem["step"]))
+            time.sleep(0.05)
+        raise FailedPrecondition(f"no replica of cell {cell_id!r} joined within {wait_s:.0f}s (the cell's agent "
+                                 f"starts it with its train_command; see that agent's log)")
 
     def ReleaseReplica(self, request: trainer_pb2.ReleaseReplicaRequest,
                        context: Any) -> trainer_pb2.ReleaseReplicaResponse:

@@ -6,7 +6,9 @@ replica *processes* (``python -m services.trainer.main --replica``) join and lea
     step 0: core alone                                  world 1
     step 1: replica A (started by AddReplica) joins     world 2
             before any micro-batch is handed out
-    step 2: replica B joins mid-step (after 2 batches)  world 3
+    step 2: replica B (started by "its cell agent":     world 3
+            here the test; AddReplica(hosted) only
+            waits for it) joins mid-step (after 2 batches)
     step 3: B is SIGTERMed mid-step: it hands its       world 2 (+ B's hand-off)
             gradient sum to the core and exits
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from protos.gyre.v1 import trainer_pb2_grpc
+from services.common.errors import FailedPrecondition
 from services.common.server import build_server
 from services.trainer.client import TrainerClient
 from services.trainer.core import CoreTrainer
@@ -107,6 +110,10 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
              "--replica-id", "rep-b", "--replica-threads", "1", "--log-json", "false"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(tmp_path / "b.log", "wb"),
             stderr=subprocess.STDOUT)
+        hosted = client.add_replica("cell-b", switch_id="sw2", wait_s=60, hosted=True)
+        assert (hosted.replica_id, hosted.step) == ("rep-b", 2)
+        with pytest.raises(FailedPrecondition, match="no replica of cell 'cell-z' joined"):
+            client.add_replica("cell-z", switch_id="sw3", wait_s=0.2, hosted=True)
         _wait(lambda: _count(store, f"{prefix}/waiting/2") >= 3, "replica B to block in step 2")
         store.set(f"{prefix}/release/2", "1")
         r2 = client.wait_step(2, timeout_s=90)
