@@ -58,6 +58,8 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_ARRAYS = 1 << 16
 # A receiver gives up on a transfer that stalls this long (seconds) and drops the connection.
 STALL_TIMEOUT_S = 120.0
+UCX_MIN_BUDGET_S = 5.0  # a UCX transfer gets this plus its bytes at UCX_FLOOR_BYTES_PER_S (then TCP)
+UCX_FLOOR_BYTES_PER_S = 20e6
 
 FALLBACKS = Counter(
     "gyre_rollout_migration_fallbacks_total",
@@ -404,6 +406,15 @@ def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: 
     return SendResult(n, used, False, time.perf_counter() - t0)
 
 
+def ucx_budget_s(arrays: list[np.ndarray], timeout_s: float) -> float:
+    """How long a UCX transfer may take before the sender gives up on it and resends over TCP:
+    a few seconds plus the bytes at a slow link's rate, never more than ``timeout_s``. A UCX
+    endpoint that cannot make progress (a transport chosen for peers it wrongly believes local,
+    a fabric that drops the connection) hangs rather than fails; the migration must not."""
+    nbytes = sum(a.nbytes for a in arrays)
+    return min(timeout_s, UCX_MIN_BUDGET_S + nbytes / UCX_FLOOR_BYTES_PER_S)
+
+
 def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray], ucx: _Ucx | None,
           worker: bytes, timeout_s: float) -> tuple[int, str]:
     tag = secrets.randbits(47) << 16
@@ -419,7 +430,7 @@ def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray],
             mode = _recv_msg(sock).get("mode")
             if mode == "ucx":
                 assert ucx is not None
-                ucx.call(ucx.send(worker, arrays, tag), timeout_s)
+                ucx.call(ucx.send(worker, arrays, tag), ucx_budget_s(arrays, timeout_s))
             else:
                 for a in arrays:
                     sock.sendall(_byte_view(a))

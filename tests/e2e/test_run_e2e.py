@@ -12,15 +12,13 @@ is tested in tests/service/test_rollout_migration.py); each of its calls must st
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from services.run import TASK_FILES, RunConfig, run_job
 from services.scheduler.jobfile import load_job
+from tests.support.longcalls import LongCalls
 
 
 @pytest.mark.timeout(900)
@@ -30,7 +28,7 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     spec = load_job(TASK_FILES["xlong"][0], ["--mode", "elastic", "--num_steps", "2", "--groups_per_step", "4",
                                              "--group_size", "2", "--evaluation.tasks", "4", "--evaluation.every", "1"])
     lines: list[str] = []
-    long_calls = _LongCalls()
+    long_calls = LongCalls()
     result = run_job(cfg, spec, echo=lambda m: (lines.append(m), long_calls.maybe_start(m)))
     long_calls.stop()
 
@@ -49,63 +47,6 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     assert report.exists() and (report.parent / "cell_timeline.png").exists()
     kinds = [json.loads(x)["kind"] for x in (report.parent / "metrics.jsonl").read_text().splitlines()]
     assert "switch" in kinds and kinds.count("step") == spec.num_steps
-
-
-class _LongCalls:
-    """Four long greedy generations kept in flight through the gateway once it is up."""
-
-    def __init__(self) -> None:
-        self.stopping = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.completed = 0
-        self.failed = 0
-
-    def maybe_start(self, line: str) -> None:
-        if line.startswith("report: "):  # the job is over; the stack goes down next
-            self.stop()
-            return
-        if not line.startswith("gateway ") or "worker" in line or self.threads:
-            return
-        address = line.split()[1]
-        for agent in range(4):  # spread over both engines: each drain finds a call in flight
-            t = threading.Thread(target=self._loop, args=(address, agent), daemon=True)
-            t.start()
-            self.threads.append(t)
-
-    def _loop(self, address: str, agent: int) -> None:
-        from services.common.errors import GyreError
-        from services.rollout.calls import CallMeta
-        from services.rollout.client import GatewayClient
-        from services.rollout.engine import SamplingParams
-
-        gateway = GatewayClient(address, timeout_s=120)
-        prompt = np.arange(3, 40 + agent, dtype=np.int32)
-        params = SamplingParams(temperature=0.0, max_new_tokens=900)  # builtin-tiny context is 1024
-        n = 0
-        while not self.stopping.is_set():
-            n += 1
-            meta = CallMeta(job_id="longcalls", execution_id=f"long-{agent}-{n}", call_id="c0",
-                            agent_id=f"long-{agent}")
-            try:
-                res = gateway.generate(meta, prompt, params)
-            except GyreError as exc:
-                if "no rollout engine is available" in str(exc):  # every cell trains right now
-                    self.stopping.wait(0.5)
-                    continue
-                if not self.stopping.is_set():
-                    self.failed += 1
-                    print("long call failed:", exc)
-                self.stopping.wait(0.5)
-                continue
-            assert len(res.output_ids) == len(res.output_logprobs) >= 1
-            self.completed += 1
-            time.sleep(0.01)
-        gateway.close()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout=30)
 
 
 @pytest.mark.timeout(900)
