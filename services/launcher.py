@@ -141,10 +141,12 @@ class Launcher:
             raise ValueError(f"Gyre is already up (state in {self.state_file}); run `gyre down` first")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # the replicas the trainer core spawns log next to every other process of this stack
+        env = {"GYRE_TRAINER_REPLICA_LOG_DIR": str(self.data_dir / "logs"), **(env or {})}
         # env: what a restart (services/supervisor.py) starts a process with again
-        state: dict = {"redis": None, "services": {}, "env": {"PYTHONPATH": str(REPO), **(env or {})},
+        state: dict = {"redis": None, "services": {}, "env": {"PYTHONPATH": str(REPO), **env},
                        "cwd": str(REPO)}
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
         if redis_url is None:
             redis_url, pid, command = self._start_redis()
             state["redis"] = {"url": redis_url, "pid": pid, "command": command,

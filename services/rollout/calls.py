@@ -59,12 +59,15 @@ class Piece:
         assert len(self.token_ids) == len(self.logprobs), "one logprob per token"
 
 
+FINISHED = "finished"
+
+
 @dataclass(frozen=True)
 class MigrationReport:
     request_id: str
     source_cell_id: str
     target_cell_id: str
-    transport: str  # "ucx" | "tcp" | "reprefill"
+    transport: str  # "ucx" | "tcp" | "reprefill" | FINISHED (ended on the source first: nothing moved)
     bytes: int
     duration_s: float
     kv_tokens: int

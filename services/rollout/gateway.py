@@ -36,7 +36,7 @@ from services.common.errors import Aborted, InvalidArgument, NotFound, Unavailab
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.rollout.call_cache import CallCache
-from services.rollout.calls import (CallMeta, CallResult, EngineLost, MigrationReport, Piece,
+from services.rollout.calls import (FINISHED, CallMeta, CallResult, EngineLost, MigrationReport, Piece,
                                     check_prompt, check_stop_ids, concat)
 from services.rollout.engine import SamplingParams
 from services.rollout.router import DEAD, DRAINING, READY, EngineEntry, Router
@@ -418,12 +418,14 @@ class Gateway:
         if not alive:
             self.router.set_state(cell_id, DEAD)
             reports = self._await_recoveries(cell_id, t0, wait_s)
+        finished = sum(r.transport == FINISHED for r in reports)
+        reports = [r for r in reports if r.transport != FINISHED]  # ended on the source: nothing in flight
         for r in reports:
             if r.ok and alive:  # a dead source's re-prefills were counted by the streams
                 MIGRATIONS.labels(r.transport).inc()
         if not keep_registered:
             self.router.deregister(cell_id)
-        log.info("engine drained", cell_id=cell_id, requests=len(reports), alive=alive,
+        log.info("engine drained", cell_id=cell_id, requests=len(reports), finished_meanwhile=finished, alive=alive,
                  ok=sum(r.ok for r in reports), duration_s=round(time.perf_counter() - t0, 3))
         return reports
 

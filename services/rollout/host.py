@@ -30,7 +30,7 @@ from prometheus_client import Counter, Histogram
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
-from services.rollout.calls import MigrationReport, Piece, check_prompt, check_stop_ids, concat
+from services.rollout.calls import FINISHED, MigrationReport, Piece, check_prompt, check_stop_ids, concat
 from services.rollout.engine import MAX_SEED, GenRequest, InferenceEngine, MigrationState, TokenEvent
 
 log = get_logger(__name__)
@@ -351,6 +351,9 @@ class EngineHost:
             channel = self._channels.get(rid)
         try:
             state = self.engine.export_request(rid)
+        except NotFound:  # it finished while the drain was on its way: nothing left to move
+            return MigrationReport(rid, self.cell_id, "", FINISHED, 0, time.perf_counter() - t0, 0, True,
+                                   "finished before it could migrate")
         except (KeyError, ValueError, LookupError) as exc:
             return MigrationReport(rid, self.cell_id, "", "", 0, time.perf_counter() - t0, 0, False,
                                    f"not migrated: {exc}")

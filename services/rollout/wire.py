@@ -10,7 +10,7 @@ import numpy as np
 
 from protos.gyre.v1 import common_pb2, rollout_pb2
 from services.common.errors import InvalidArgument
-from services.rollout.calls import CallMeta, MigrationReport, Piece
+from services.rollout.calls import FINISHED, CallMeta, MigrationReport, Piece
 from services.rollout.engine import SamplingParams
 
 ROLE_TO_STR: dict[int, str] = {common_pb2.ROLE_UNSPECIFIED: "main", common_pb2.ROLE_MAIN: "main",
@@ -87,12 +87,14 @@ def piece_from_proto(c: rollout_pb2.GenerateChunk) -> Piece:
 def report_to_proto(r: MigrationReport) -> rollout_pb2.MigrationResult:
     return rollout_pb2.MigrationResult(
         request_id=r.request_id, source_cell_id=r.source_cell_id, target_cell_id=r.target_cell_id,
-        transport=STR_TO_TRANSPORT.get(r.transport, rollout_pb2.KV_TRANSPORT_UNSPECIFIED),
+        transport=(rollout_pb2.KV_TRANSPORT_FINISHED if r.transport == FINISHED
+                   else STR_TO_TRANSPORT.get(r.transport, rollout_pb2.KV_TRANSPORT_UNSPECIFIED)),
         bytes=r.bytes, duration_s=r.duration_s, kv_tokens=r.kv_tokens, ok=r.ok, error=r.error)
 
 
 def report_from_proto(m: rollout_pb2.MigrationResult) -> MigrationReport:
-    transport = TRANSPORT_TO_STR[m.transport] if m.transport != rollout_pb2.KV_TRANSPORT_UNSPECIFIED else ""
+    transport = (FINISHED if m.transport == rollout_pb2.KV_TRANSPORT_FINISHED
+                 else TRANSPORT_TO_STR.get(m.transport, "") if m.transport != rollout_pb2.KV_TRANSPORT_UNSPECIFIED else "")
     return MigrationReport(m.request_id, m.source_cell_id, m.target_cell_id, transport, m.bytes,
                            m.duration_s, m.kv_tokens, m.ok, m.error)
 

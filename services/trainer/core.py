@@ -92,6 +92,9 @@ class _JobState:
 class CoreTrainer:
     """Rank 0 of every step; thread-safe facade used by the gRPC servicer."""
 
+    # replica id -> False once its process is known dead (the servicer wires the replicas it spawned)
+    replica_alive: Callable[[str], bool | None] = staticmethod(lambda _rid: None)
+
     def __init__(self, *, store_host: str = "127.0.0.1", store_port: int = 0, advertise_host: str = "",
                  member_timeout_s: float = 300.0, collective_timeout_s: float = 600.0,
                  publish_chunk_bytes: int = 4 << 20,
@@ -134,7 +137,8 @@ class CoreTrainer:
                     step, version = c.step, c.version
                     log.info("resumed", job_id=job.job_id, path=str(path), step=step, version=version)
             self.membership = StepMembership(job_id=job.job_id, store_host=self.store_host,
-                                             store_port=self.store_port, member_timeout_s=self.member_timeout_s)
+                                             store_port=self.store_port, member_timeout_s=self.member_timeout_s,
+                                             is_alive=lambda rid: self.replica_alive(rid))
             # The source gets its own store connection: a TCPStore client serializes requests, and
             # a consumer blocked in store.wait must not block the step's process-group setup.
             source = open_source(job.source, store_host=self.store_host, store_port=self.store_port,
@@ -158,6 +162,8 @@ class CoreTrainer:
 
     def _run(self) -> None:
         st = self._require()
+        # this job's: once the phase says done, the next StartJob may already have replaced it
+        membership = self.membership
         try:
             while st.step < st.job.num_steps and not self._stop.is_set():
                 self.run_step()
@@ -167,8 +173,8 @@ class CoreTrainer:
             st.error = f"{type(exc).__name__}: {exc}"
             self._set_phase("failed")
         finally:
-            if self.membership is not None:
-                self.membership.close()
+            if membership is not None:
+                membership.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the running step (never half-apply an update), then stop."""
@@ -219,6 +225,7 @@ class CoreTrainer:
             if stats_vec is not None and extrema is not None:
                 learner.stats.merge(stats_vec, extrema)
         handed = [x for x in self.membership.members() if x["step"] == step and x["left"]]
+        retrained = self._retrain_lost(st, step, slog)
 
         self._set_phase("updating")
         grad_norm = st.updater.apply()
@@ -234,6 +241,7 @@ class CoreTrainer:
                        world_size=float(seal.world_size), handed_off=float(len(handed)),
                        tokens_per_s=metrics.get("tokens", 0.0) / step_s if step_s > 0 else 0.0,
                        weight_version=float(new_version), publish_s=publish.engines_s,
+                       evicted=float(evicted), retrained=float(retrained),
                        publish_mb=publish.num_bytes / 1e6)
         m.record_step(metrics)
         m.REDUCE_TIME.observe(reduce_s)
@@ -243,6 +251,12 @@ class CoreTrainer:
             st.reports.append(report)
             self._cv.notify_all()
         self._report(job, step, "published", new_version)
+        settle = getattr(st.source, "settle", None)
+        if settle is not None:
+            try:
+                settle(step)  # the update is applied: the step's batches are final
+            except Exception as exc:  # deliberate: the payloads only stay longer; the step is done
+                log.warning("settling the step failed", job_id=job.job_id, step=step, error=str(exc))
         if job.checkpoint_dir and (step + 1) % job.checkpoint_every == 0:
             ckpt.save_checkpoint(job.checkpoint_dir, step=step + 1, version=new_version, model=learner.model,
                                  optimizer=st.updater.optimizer, extra={"job_id": job.job_id})
@@ -253,6 +267,27 @@ class CoreTrainer:
                  loss=round(metrics.get("loss", 0.0), 6), grad_norm=round(grad_norm, 6),
                  tokens=metrics.get("tokens"), step_s=round(step_s, 3))
         return report
+
+    def _retrain_lost(self, st: _JobState, step: int, slog: Any) -> int:
+        """Train again, here, what evicted replicas (dead, or silent past member_timeout_s) had
+        acknowledged: their gradient sums died with them. Gradients add up, so the core's share
+        after the all-reduce plus these batches is the same update. Returns micro-batches retrained."""
+        assert self.membership is not None
+        lost = self.membership.evicted(step)
+        if not lost:
+            return 0
+        reopen = getattr(st.source, "reopen", None)
+        if reopen is None:
+            log.error("evicted replicas' micro-batches are lost: this source cannot reopen them",
+                      job_id=st.job.job_id, step=step, replicas=lost)
+            return 0
+        reopened = int(reopen(step, lost))
+        trained = 0
+        while (d := st.source.next(step)) is not None:
+            trained += train_delivery(st.learner, d, step=step, journal=st.journal, log=slog)
+        log.warning("retrained the micro-batches of evicted replicas", job_id=st.job.job_id, step=step,
+                    replicas=lost, reopened=reopened, retrained=trained)
+        return trained
 
     def _reduce(self, seal: Seal, learner: Learner) -> float:
         if seal.world_size <= 1:

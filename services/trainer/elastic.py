@@ -28,6 +28,7 @@ import datetime
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,8 +88,11 @@ class _StepState:
 class StepMembership:
     """Thread-safe registry of the replicas taking part in each step (lives in the core)."""
 
-    def __init__(self, *, job_id: str, store_host: str, store_port: int, member_timeout_s: float = 300.0) -> None:
+    def __init__(self, *, job_id: str, store_host: str, store_port: int, member_timeout_s: float = 300.0,
+                 is_alive: Callable[[str], bool | None] = lambda _rid: None) -> None:
         self.job_id = job_id
+        # replica id -> False once its process is known dead (True / None: alive / not known here)
+        self.is_alive = is_alive
         self.store_host = store_host
         self.store_port = store_port
         self.member_timeout_s = member_timeout_s
@@ -120,6 +124,12 @@ class StepMembership:
             state.core_done = True
             deadline = time.monotonic() + self.member_timeout_s
             while True:
+                for m in state.members.values():
+                    # its process died (also after reporting done: it cannot all-reduce): no waiting
+                    if not (m.left or m.evicted) and self.is_alive(m.replica_id) is False:
+                        m.evicted = True
+                        log.warning("replica evicted", replica_id=m.replica_id, cell_id=m.cell_id, step=step,
+                                    reason="its process exited")
                 pending = [m for m in state.members.values() if not (m.done or m.left or m.evicted)]
                 if not pending:
                     break
@@ -227,6 +237,14 @@ class StepMembership:
                                 "left": m.left, "evicted": m.evicted, "rank": m.rank,
                                 "release": m.replica_id in self._released})
             return out
+
+    def evicted(self, step: int) -> list[str]:
+        """Replicas evicted from ``step`` (dead or silent): what they had trained never reached us."""
+        with self._cv:
+            s = self._current
+            if s is None or s.step != step:
+                return []
+            return sorted(m.replica_id for m in s.members.values() if m.evicted)
 
     def current_step(self) -> tuple[int, int, bool] | None:
         with self._cv:

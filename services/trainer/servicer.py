@@ -29,6 +29,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.default_trajectory_address = default_trajectory_address
         self.chunk_bytes = chunk_bytes
 
+    @property
+    def replicas(self) -> ReplicaProcesses | None:
+        return self._replicas
+
+    @replicas.setter
+    def replicas(self, replicas: ReplicaProcesses | None) -> None:
+        """The replica processes this core starts; a replica whose process died is evicted from
+        its step at once (not after member_timeout_s)."""
+        self._replicas = replicas
+        self.core.replica_alive = replicas.alive if replicas is not None else (lambda _rid: None)
+
     # -- jobs -------------------------------------------------------------------------------------
     def StartJob(self, request: trainer_pb2.StartJobRequest, context: Any) -> trainer_pb2.StartJobResponse:
         if not request.HasField("job") or not request.job.job_id:
@@ -146,7 +157,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 if mem["cell_id"] == cell_id and not (mem["left"] or mem["evicted"]):
                     return trainer_pb2.AddReplicaResponse(replica_id=str(mem["replica_id"]), step=int(mem["step"]))
             time.sleep(0.05)
-        raise FailedPrecondition(f"no replica of cell {cell_id!r} joined within {wait_s:.0f}s (the cell's agent "
+        raise FailedPrecondition(f"no replica of cell {cell_id!r} joined within {wait_s:g}s (the cell's agent "
                                  f"starts it with its train_command; see that agent's log)")
 
     def ReleaseReplica(self, request: trainer_pb2.ReleaseReplicaRequest,

@@ -136,9 +136,12 @@ class StoreQueueSource:
 
     def next(self, step: int) -> Delivery | None:
         batches = self._step(step).batches
-        idx = int(self.store.add(f"{self.prefix}/next/{step}", 1)) - 1
-        if idx >= len(batches):
-            return None
+        idx = self._redo(step)
+        if idx is None:
+            idx = int(self.store.add(f"{self.prefix}/next/{step}", 1)) - 1
+            if idx >= len(batches):
+                return None
+        self.store.append(f"{self.prefix}/taken/{step}/{self.consumer_id}", f"{idx},")
         hold = f"{self.prefix}/hold/{step}"
         if self.store.check([hold]) and idx >= int(self.store.get(hold)):
             self.store.add(f"{self.prefix}/waiting/{step}", 1)
@@ -147,6 +150,26 @@ class StoreQueueSource:
         return Delivery(batch=batches[idx], ack=lambda: self.store.add(key, 1) > 0,
                         reject=lambda why: self.store.add(f"{self.prefix}/rejected/{step}", 1),
                         batch_id=f"{step}/{idx}")
+
+    def _redo(self, step: int) -> int | None:
+        """The next index of ``step`` reopened by ``reopen`` (None when there is none left)."""
+        key = f"{self.prefix}/redo/{step}"
+        if not self.store.check([key]):
+            return None
+        redo = [int(x) for x in self.store.get(key).decode().split(",") if x]
+        j = int(self.store.add(f"{self.prefix}/redo_next/{step}", 1)) - 1
+        return redo[j] if j < len(redo) else None
+
+    def reopen(self, step: int, consumers: list[str]) -> int:
+        """Hand out again every index of ``step`` the dead ``consumers`` took (acknowledged or
+        not: their gradients died with them). Called by the core once the step's queue is dry."""
+        idx: list[str] = []
+        for c in consumers:
+            key = f"{self.prefix}/taken/{step}/{c}"
+            if self.store.check([key]):
+                idx += [x for x in self.store.get(key).decode().split(",") if x]
+        self.store.set(f"{self.prefix}/redo/{step}", ",".join(idx))
+        return len(idx)
 
     def close(self) -> None:
         return None

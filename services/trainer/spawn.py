@@ -64,6 +64,14 @@ class ReplicaProcesses:
             raise NotFound(f"no replica process was started for cell {cell_id!r}")
         return s
 
+    def alive(self, replica_id: str) -> bool | None:
+        """Whether the process of ``replica_id`` runs; None for a replica this core did not start."""
+        with self._lock:
+            for s in self._by_cell.values():
+                if s.replica_id == replica_id:
+                    return s.proc.poll() is None
+        return None
+
     def replica_of(self, cell_id: str) -> str | None:
         with self._lock:
             s = self._by_cell.get(cell_id)

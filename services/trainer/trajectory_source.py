@@ -62,6 +62,19 @@ class TrajectorySource:
 
         return Delivery(batch=item.batch, ack=ack, reject=reject, batch_id=item.batch_id)
 
+    def reopen(self, step: int, consumers: list[str]) -> int:
+        """Put the batches ``consumers`` acknowledged in ``step`` back in the queue (their gradients
+        were lost with their process); the next ``next(step)`` streams them again."""
+        n, _ = self.client.settle_step(self.job_id, step, reopen=consumers)
+        if self._stream is not None:
+            self._stream.cancel()
+        self._step, self._stream, self._items = None, None, None
+        return n
+
+    def settle(self, step: int) -> None:
+        """The step's update is applied: its batches are final (the service may collect them)."""
+        self.client.settle_step(self.job_id, step)
+
     def interrupt(self) -> None:
         """End a ``next`` blocked on the stream (any thread): it returns None."""
         stream = self._stream

@@ -141,6 +141,13 @@ class TrajectoryClient(GrpcClient):
             job_id=job_id, step=step, token_budget=token_budget, consumer_id=consumer_id))
         return BatchStream(call)
 
+    def settle_step(self, job_id: str, step: int, *, reopen: Iterable[str] = ()) -> tuple[int, StepPlan]:
+        """Reopen the batches acknowledged by the ``reopen`` consumers (their gradients were lost),
+        or with none mark the step final (its payloads may be collected). (reopened, plan)."""
+        r = self._call(self._stub.SettleStep, trajectory_pb2.SettleStepRequest(
+            job_id=job_id, step=step, reopen_consumer_ids=list(reopen)))
+        return int(r.reopened), plan_from_proto(r.plan)
+
     def ack(self, job_id: str, step: int, batch_id: str, consumer_id: str) -> tuple[bool, StepPlan]:
         """Acknowledge a batch; (True, plan) when this call acknowledged it, (False, plan) for a resend.
         FailedPrecondition: the batch was re-handed to another consumer -- discard its result."""

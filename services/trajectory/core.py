@@ -105,6 +105,7 @@ class _Step:
     num_tokens: int = 0
     context_tokens: int = 0
     collected: bool = False
+    settled: bool = False  # the trainer declared the step's result final (payloads may go)
 
 
 class TrajectoryCore:
@@ -494,8 +495,30 @@ class TrajectoryCore:
             self._maybe_collect(st)
             return fresh, self._plan(st)
 
+    def settle(self, job: str, step: int, reopen: Iterable[str] = ()) -> tuple[int, StepPlan]:
+        """The trainer's verdict on a consumed step (see ``SettleStep``): reopen the batches the
+        given consumers acknowledged, or (none given) mark the step final and collect it."""
+        job = job or DEFAULT_JOB
+        st = self._step(job, step)
+        consumers = {c for c in reopen if c}
+        with st.lock:
+            if not consumers:
+                st.settled = True
+                self._maybe_collect(st)
+                return 0, self._plan(st)
+            if st.collected:
+                raise FailedPrecondition(f"step {step} of job {job!r} is settled and its payloads are collected; "
+                                         f"its batches cannot be reopened")
+            ids = st.queue.reopen(consumers)
+            self.store.unack(job, step, ids)
+            if ids:
+                REHANDED.inc(len(ids))
+                log.warning("batches of lost consumers reopened", job_id=job, step=step, batches=len(ids),
+                            consumers=sorted(consumers))
+            return len(ids), self._plan(st)
+
     def _maybe_collect(self, st: _Step) -> None:
-        if self.cfg.collect_done_steps and st.queue.done and not st.collected:
+        if self.cfg.collect_done_steps and st.queue.done and st.settled and not st.collected:
             st.collected = True
             n = self.store.collect_step(st.job_id, st.step, list(st.outcomes), st.queue.metas.values())
             log.info("step consumed; spool payloads deleted", job_id=st.job_id, step=st.step, blobs=n)
@@ -540,7 +563,9 @@ class TrajectoryCore:
                 for o in mine:
                     self._execution(job, o.execution_id).packed = True
                 st.queue.seal()
-                st.collected = self.cfg.collect_done_steps
+                # settled before the restart iff its payloads are gone (settling collects them)
+                st.collected = bool(metas) and not self.store.blobs.exists(metas[0].blob_key)
+                st.settled = st.collected
                 return
             emitted = frozenset(ref for m in metas for ref in m.chunks)
             for g in sorted(released):

@@ -85,6 +85,15 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         finally:
             batches.close()  # returns this consumer's unacknowledged batches when its stream ends
 
+    def SettleStep(self, request: trajectory_pb2.SettleStepRequest,
+                   context: grpc.ServicerContext) -> trajectory_pb2.SettleStepResponse:
+        if request.step < 0:
+            raise InvalidArgument(f"step {request.step} must be >= 0")
+        if any(not c or len(c) > 256 for c in request.reopen_consumer_ids):
+            raise InvalidArgument("reopen_consumer_ids must be non-empty ids of at most 256 characters")
+        n, plan = self.core.settle(request.job_id, request.step, request.reopen_consumer_ids)
+        return trajectory_pb2.SettleStepResponse(reopened=n, plan=plan_to_proto(plan))
+
     def AckBatch(self, request: trajectory_pb2.AckBatchRequest,
                  context: grpc.ServicerContext) -> trajectory_pb2.AckBatchResponse:
         if not request.batch_id or not request.consumer_id:

@@ -142,6 +142,18 @@ class StepQueue:
                 self.cond.notify_all()
             return len(mine)
 
+    def reopen(self, consumers: set[str]) -> list[str]:
+        """Put every batch acknowledged by one of ``consumers`` back in the queue (front): their
+        gradients never reached the trainer core. Returns the batch ids."""
+        with self.cond:
+            ids = [b for b, c in self.acked.items() if c and c in consumers]
+            for b in reversed(ids):
+                del self.acked[b]
+                self._pending.appendleft(b)
+            if ids:
+                self.cond.notify_all()
+            return ids
+
     def _expire(self) -> None:
         now = self._clock()
         expired = [b for b, (_, d) in self._leases.items() if d <= now]

@@ -202,6 +202,11 @@ class TrajectoryStore:
     def ack(self, job_id: str, step: int, batch_id: str) -> None:
         self.r.sadd(self.keys.key("step", job_id, step, "acked"), batch_id)
 
+    def unack(self, job_id: str, step: int, batch_ids: Iterable[str]) -> None:
+        ids = list(batch_ids)
+        if ids:
+            self.r.srem(self.keys.key("step", job_id, step, "acked"), *ids)
+
     def acked(self, job_id: str, step: int) -> set[str]:
         return {_str(x) for x in self.r.smembers(self.keys.key("step", job_id, step, "acked"))}
 

@@ -4,7 +4,10 @@ The stack's supervisor (services/supervisor.py, started by `gyre up`) starts the
 with its own command on its own address; the job goes on and completes. Checked each time: the
 job completes with every step published once and in order (final weight version = steps), every
 execution of every step ended exactly once, and the killed process was restarted and serves
-again. Everything goes through the `gyre` command and the scheduler's API.
+again. A joined trainer replica (a freed cell's process, started by the trainer core, not
+supervised) is evicted at once and the core trains again the micro-batches it had taken, so the
+step's update is whole (tests/service/test_trainer_elastic.py checks it equals a single process's).
+Everything goes through the `gyre` command and the scheduler's API.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ from tests.support.cli import gyre
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-JOB = ["--num_steps", "3", "--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "120",
+JOB = ["--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "120",
        "--tasks.params.num_modules", "3", "--evaluation.tasks", "0"]
 
 
@@ -58,17 +61,54 @@ def _until_running(data: Path, job_id: str, timeout_s: float = 120.0) -> None:
             time.sleep(0.05)
 
 
-# when to kill: "leased" once executions of the first step run, "trained" right after step 0 is published
+def _trainer(data: Path):  # noqa: ANN202 - lazy import
+    from services.trainer.client import TrainerClient
+
+    return TrainerClient(_state(data)["services"]["trainer"]["address"])
+
+
+def _pid_of_replica(replica_id: str) -> int | None:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--replica-id" in argv and argv[argv.index(b"--replica-id") + 1:][:1] == [replica_id.encode()]:
+            return int(proc.name)
+    return None
+
+
+def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, int]:
+    """(replica id, pid) of a trainer replica taking part in a step (the elastic policy moves a
+    freed cell to training once the step's rollout work shrinks)."""
+    with _trainer(data) as trainer:
+        while not watch_done():
+            for r in trainer.status().replicas:
+                pid = None if (r.left or r.evicted) else _pid_of_replica(r.replica_id)
+                if pid is not None:
+                    return r.replica_id, pid
+            time.sleep(0.05)
+    raise AssertionError("the job ended before any trainer replica joined a step")
+
+
+# when to kill: "leased" once executions of the first step run, "trained" right after step 0 is
+# published, "joined" once a replica (a freed cell's trainer process) takes part in a step
 VICTIMS = [("engine-1", "leased"), ("cell-1", "leased"), ("gateway", "leased"), ("reward", "leased"),
            ("trajectory", "leased"), ("harness", "leased"), ("trainer", "trained"), ("scheduler", "trained"),
-           ("redis", "trained")]
+           ("redis", "trained"), ("replica", "joined")]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("victim,moment", VICTIMS, ids=[v for v, _ in VICTIMS])
 def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, moment: str) -> None:
-    job_id = gyre(stack, "submit", str(REPO / "deploy" / "config" / "job.toml"), *JOB).stdout.strip().splitlines()[-1]
-    before = _pid(stack, victim)
+    # 8 executions a step give the elastic policy a tail to move a cell to training in (4 do not),
+    # and a replica takes seconds to start: more steps, so that it joins one before the job ends
+    groups, steps = (4, 6) if moment == "joined" else (2, 3)
+    job_id = gyre(stack, "submit", str(REPO / "deploy" / "config" / "job.toml"), *JOB,
+                  "--groups_per_step", str(groups), "--num_steps", str(steps)).stdout.strip().splitlines()[-1]
+    before = _pid(stack, victim) if victim != "replica" else 0
     watch = subprocess.Popen([PY, "-m", "services.cli", "--data-dir", str(stack), "watch", job_id, "--json"], cwd=REPO,
                              stdout=subprocess.PIPE, text=True)
     assert watch.stdout is not None
@@ -77,10 +117,13 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         for line in watch.stdout:
             events.append(json.loads(line))
             k = events[-1]["kind"]
-            if (moment == "leased" and k == "step_started") or (moment == "trained" and k == "step_trained"):
+            if (moment in ("leased", "joined") and k == "step_started") or (moment == "trained"
+                                                                             and k == "step_trained"):
                 break
         if moment == "leased":  # kill while executions of the step are in flight
             _until_running(stack, job_id)
+        if moment == "joined":
+            replica_id, before = _joined_replica(stack, lambda: watch.poll() is not None)
         os.kill(before, signal.SIGKILL)
         events += [json.loads(line) for line in watch.stdout]
         assert watch.wait(timeout=700) == 0, events[-3:]
@@ -88,11 +131,17 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         if watch.poll() is None:
             watch.kill()
     last = events[-1]
-    assert last["kind"] == "end" and last["state"] == "completed" and last["weight_version"] == 3, last
-    assert [int(e["step"]) for e in events if e["kind"] == "step_trained"] == [0, 1, 2]
+    assert last["kind"] == "end" and last["state"] == "completed" and last["weight_version"] == steps, last
+    assert [int(e["step"]) for e in events if e["kind"] == "step_trained"] == list(range(steps))
     ended = [e["execution_id"] for e in events if e["kind"] == "execution_completed" and not e.get("evaluation")]
-    assert len(ended) == len(set(ended)) == 3 * 4, sorted(ended)
+    assert len(ended) == len(set(ended)) == steps * groups * 2, sorted(ended)
     assert all(e["status"] in ("finished", "timeout", "failed") for e in events if e["kind"] == "execution_completed")
+    if victim == "replica":  # not a supervised process: the core evicts it and trains its share again
+        with _trainer(stack) as trainer:
+            reports = [trainer.wait_step(s, timeout_s=10) for s in range(steps)]
+        assert sum(r.metrics["evicted"] for r in reports) == 1, [dict(r.metrics) for r in reports]
+        assert _pid_of_replica(replica_id) is None
+        return
     # the job may end before the supervisor has the process serving again (a model load): wait for that
     deadline = time.monotonic() + 180
     while True:

@@ -9,8 +9,12 @@ replica *processes* (``python -m services.trainer.main --replica``) join and lea
     step 2: replica B (started by "its cell agent":     world 3
             here the test; AddReplica(hosted) only
             waits for it) joins mid-step (after 2 batches)
-    step 3: B is SIGTERMed mid-step: it hands its       world 2 (+ B's hand-off)
-            gradient sum to the core and exits
+    step 3: B is SIGTERMed mid-step: it hands its       world 1 (+ B's hand-off,
+            gradient sum to the core and exits; A is        + A's batches retrained
+            SIGKILLed mid-step: the core sees its process   by the core)
+            gone, evicts it at once and trains again the
+            micro-batches A had taken (their gradients
+            died with it)
 
 The store-backed synthetic queue's hold/release keys make the join points deterministic. The
 weights and metrics after every step must equal (fp32 tolerance) a single-process run of the
@@ -120,16 +124,20 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         assert r2.finished and r2.metrics["world_size"] == 3
         assert _count(store, f"{prefix}/acked/2/rep-b") >= 1
 
-        # Step 3: B is told to go mid-step; it hands its gradient sum off and exits.
+        # Step 3: B is told to go mid-step (it hands its gradient sum off and exits); A dies.
         _wait(lambda: _count(store, f"{prefix}/waiting/3") >= 3, "three consumers to block in step 3")
+        a_replica = replicas.get("cell-a")
+        assert _count(store, f"{prefix}/acked/3/{a_replica.replica_id}") >= 1  # A holds a gradient
+        a_replica.proc.kill()
+        assert replicas.wait_exit("cell-a", 60)
         b_proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # let B's handler set its stop flag while it is blocked
         store.set(f"{prefix}/release/3", "1")
-        r3 = client.wait_step(3, timeout_s=90)
-        assert r3.finished and r3.metrics["world_size"] == 2 and r3.metrics["handed_off"] == 1
+        r3 = client.wait_step(3, timeout_s=60)  # A's death is seen at once: no member_timeout_s wait
+        assert r3.finished and r3.metrics["world_size"] == 1 and r3.metrics["handed_off"] == 1
+        assert r3.metrics["evicted"] == 1 and r3.metrics["retrained"] >= 2  # A's acked + its held batch
         assert _count(store, f"{prefix}/acked/3/rep-b") >= 1
         assert b_proc.wait(timeout=60) == 0
-        assert replicas.wait_exit("cell-a", 60)
 
         for step, (ref_m, report) in enumerate(zip(ref_metrics, (None, r1, r2, r3))):
             got_m = core.wait_step(step, 1).metrics  # type: ignore[union-attr]
