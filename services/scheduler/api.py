@@ -186,7 +186,8 @@ class SchedulerApi:
 
     # ---------------------------------------------------------------- worker API
 
-    def lease(self, worker_id: str, job_id: str, wait_s: float, *, harness: str = "") -> Lease | None:
+    def lease(self, worker_id: str, job_id: str, wait_s: float, *, harness: str = "",
+              request_id: str = "") -> Lease | None:
         """Lease an execution (of ``job_id``, or of any running job run by ``harness`` harnesses),
         waiting up to ``wait_s``."""
         _require(worker_id, "worker_id")
@@ -194,6 +195,8 @@ class SchedulerApi:
             raise InvalidArgument(f"wait_s is {wait_s}; expected 0..{MAX_WAIT_S:.0f} seconds")
         if job_id:
             check_id(job_id, "job_id")
+        if len(request_id) > 128:
+            raise InvalidArgument("request_id is longer than 128 characters")
         if harness and harness not in HARNESSES:
             raise InvalidArgument(f"harness is {harness!r}; expected {' or '.join(HARNESSES)} (or empty: any job)")
         deadline = time.monotonic() + wait_s
@@ -205,7 +208,8 @@ class SchedulerApi:
                 candidates = self.state.active_job_ids()
                 if harness:
                     candidates = [j for j, h in zip(candidates, self.state.job_harnesses(candidates)) if h == harness]
-            lease = self.state.lease(candidates, worker_id, self.lease_ttl_s, strict=bool(job_id))
+            lease = self.state.lease(candidates, worker_id, self.lease_ttl_s, strict=bool(job_id),
+                                     request_id=request_id)
             if lease is not None:
                 LEASES.inc()
                 log.debug("leased", job_id=lease.job_id, execution_id=lease.execution_id, attempt=lease.attempt,

@@ -92,10 +92,13 @@ class SchedulerClient(GrpcClient):
         return [CellInfo(cell_from_proto(c), c.heartbeat_age_s, c.alive) for c in res.cells]
 
     # -- worker (harnesses)
-    def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0, harness: str = "") -> Lease | None:
+    def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0, harness: str = "",
+              request_id: str = "") -> Lease | None:
         """An execution of ``job_id`` (or of any running job run by ``harness`` harnesses:
-        "builtin", "external"; "" any), waiting up to ``wait_s``; None when there was none."""
-        req = pb.LeaseExecutionRequest(worker_id=worker_id, job_id=job_id, wait_s=wait_s, harness=harness)
+        "builtin", "external"; "" any), waiting up to ``wait_s``; None when there was none.
+        ``request_id``: send the same one when retrying after an error (see the proto)."""
+        req = pb.LeaseExecutionRequest(worker_id=worker_id, job_id=job_id, wait_s=wait_s, harness=harness,
+                                       request_id=request_id)
         res = self._call(self._worker.LeaseExecution, req, self.timeout_s + wait_s)
         return lease_from_proto(res.lease) if res.leased else None
 

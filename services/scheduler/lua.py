@@ -108,6 +108,7 @@ redis.call('HSET', ek, 'state', 'leased', 'token', ARGV[4], 'worker_id', ARGV[5]
            'lease_expires_ms', expires, 'deadline_ms', deadline, 'leased_ms', now)
 redis.call('ZADD', KEYS[4], expires, eid)
 redis.call('SADD', KEYS[3], eid)
+if ARGV[6] ~= '' then redis.call('SET', ARGV[6], eid, 'PX', ARGV[3]) end  -- the request's answer
 local f = redis.call('HMGET', ek, 'step', 'group_id', 'payload', 'eval_round')
 return {1, eid, attempt, deadline, expires, f[1], f[2], f[3], f[4] or ''}
 """

@@ -89,7 +89,8 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
 
     def LeaseExecution(self, request: pb.LeaseExecutionRequest,
                        context: grpc.ServicerContext) -> pb.LeaseExecutionResponse:
-        lease = self.api.lease(request.worker_id, request.job_id, request.wait_s, harness=request.harness)
+        lease = self.api.lease(request.worker_id, request.job_id, request.wait_s, harness=request.harness,
+                               request_id=request.request_id)
         if lease is None:
             return pb.LeaseExecutionResponse(leased=False)
         return pb.LeaseExecutionResponse(leased=True, lease=lease_to_proto(lease, self.api.job_spec(lease.job_id)))

@@ -106,6 +106,9 @@ class Keys:
     def cell(self, cell_id: str) -> str:
         return self.cell_prefix + cell_id
 
+    def lease_request(self, request_id: str) -> str:
+        return self._ns.key("lease_req", request_id)
+
 
 def execution_id(job_id: str, step: int, group: int, index: int) -> str:
     """Stable, human-readable execution id: ``{job}.s{step}.g{group}.e{index}``."""
@@ -352,18 +355,25 @@ class SchedulerState:
 
     # ---------------------------------------------------------------- executions
 
-    def lease(self, job_ids: Sequence[str], worker_id: str, ttl_s: float, *, strict: bool = False) -> Lease | None:
+    def lease(self, job_ids: Sequence[str], worker_id: str, ttl_s: float, *, strict: bool = False,
+              request_id: str = "") -> Lease | None:
         """Lease the lowest-step queued execution of the first job in ``job_ids`` that has one.
 
         ``strict``: raise NotFound for a job that does not exist and FailedPrecondition for one that
-        ended (a pending job just has nothing to lease yet).
+        ended (a pending job just has nothing to lease yet). ``request_id``: a retried request gets
+        the lease its first attempt took, while that is still leased to ``worker_id``.
         """
         k = self.keys
+        if request_id:
+            prior = self._prior_lease(request_id, worker_id, ttl_s)
+            if prior is not None:
+                return prior
         for jid in job_ids:
             token = secrets.token_hex(12)
             now = self.now_ms()
             res = self._run("LEASE", [k.job(jid), k.queue(jid), k.running(jid), k.leases],
-                            [k.exec_prefix, now, int(ttl_s * 1000), token, worker_id])
+                            [k.exec_prefix, now, int(ttl_s * 1000), token, worker_id,
+                             k.lease_request(request_id) if request_id else ""])
             if res[0] != 1:
                 if strict and res[0] == -1:
                     raise NotFound(f"job {jid!r} does not exist")
@@ -376,6 +386,19 @@ class SchedulerState:
                          deadline_s=int(deadline) / 1000, lease_ttl_s=ttl_s, lease_expires_s=int(expires) / 1000,
                          evaluation=bool(_s(round_)))
         return None
+
+    def _prior_lease(self, request_id: str, worker_id: str, ttl_s: float) -> Lease | None:
+        eid = self.r.get(self.keys.lease_request(request_id))
+        if eid is None:
+            return None
+        h = self.r.hgetall(self.keys.execution(_s(eid)))
+        if _s(h.get(b"state")) != "leased" or _s(h.get(b"worker_id")) != worker_id:
+            return None  # it ended, expired or went to someone else since: lease afresh
+        jid = _s(h.get(b"job_id")) or self._exec_job(_s(eid))
+        return Lease(execution_id=_s(eid), job_id=jid, step=_i(h.get(b"step")), group_id=_s(h.get(b"group_id")),
+                     payload=bytes(h.get(b"payload") or b""), lease_token=_s(h.get(b"token")),
+                     attempt=_i(h.get(b"attempt")), deadline_s=_i(h.get(b"deadline_ms")) / 1000, lease_ttl_s=ttl_s,
+                     lease_expires_s=_i(h.get(b"lease_expires_ms")) / 1000, evaluation=bool(_s(h.get(b"eval_round"))))
 
     def _exec_job(self, execution_id_: str) -> str:
         parsed = job_of_execution(execution_id_)

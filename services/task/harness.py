@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import signal
 import socket
 import sys
@@ -167,15 +168,19 @@ class Harness:
             t.join(timeout_s)
 
     def _worker(self) -> None:
+        request_id = ""
         while not self.stopping.is_set():
+            # kept across failed attempts: an answer lost in a scheduler crash is given again
+            request_id = request_id or secrets.token_hex(12)
             try:
                 # without a job id: any running job whose executions built-in harnesses run
                 lease = self.scheduler.lease(self.worker_id, job_id=self.cfg.job_id, wait_s=self.cfg.lease_wait_s,
-                                             harness="" if self.cfg.job_id else "builtin")
+                                             harness="" if self.cfg.job_id else "builtin", request_id=request_id)
             except errors.GyreError as exc:
                 log.warning("lease failed", error=str(exc))
                 self.stopping.wait(1.0 + random.random())
                 continue
+            request_id = ""
             if lease is None:
                 continue
             self._run(lease)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from protos.gyre.v1 import scheduler_pb2 as pb
-from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.scheduler.jobs import ExecState, JobState, Mode, Role
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
@@ -246,3 +246,21 @@ def test_staleness_bound_and_rollout_batches_gate_step_enqueueing(sched: InProce
     s.client.report_training("free", 0, "published", 1)
     orch.tick()
     assert s.client.get_job("free").enqueued_steps == 3
+
+
+def test_a_retried_lease_request_gets_the_same_lease(sched: InProcess) -> None:
+    """A lease whose answer was lost (the scheduler died after leasing) is given again to the same
+    request, not stranded until it expires while the retry takes a second execution."""
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=2))
+    orchestrator(s).tick()
+    first = s.client.lease("w1", request_id="req-1")
+    again = s.client.lease("w1", request_id="req-1")
+    assert first is not None and again is not None
+    assert (again.execution_id, again.lease_token, again.attempt) == (first.execution_id, first.lease_token, 1)
+    assert s.client.lease("w2", request_id="req-1") is not None  # another worker's: not w1's lease
+    assert s.client.get_job("j1").running == 2
+    s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
+    assert s.client.lease("w1", request_id="req-1") is None  # that lease ended: a fresh lease (none left)
+    with pytest.raises(InvalidArgument, match="request_id"):
+        s.client.lease("w1", request_id="r" * 129)
