@@ -52,13 +52,14 @@ class Episode:
     files: dict[str, bytes] = field(default_factory=dict)
     codes: dict[str, str] = field(default_factory=dict)
     calls: int = 0
+    attempt: int = 1  # the lease's attempt: a re-leased execution's calls replace the earlier attempt's
 
 
 def chat_step(client: openai.OpenAI, ep: Episode, *, model: str, temperature: float) -> str:
     """One model call: the whole chat so far; the reply is appended as the assistant turn."""
     ep.calls += 1
     headers = {"x-gyre-job-id": ep.job_id, "x-gyre-execution-id": ep.execution_id, "x-gyre-agent-id": "main",
-               "x-gyre-role": "main", "x-gyre-call-id": f"main/{ep.calls}"}
+               "x-gyre-role": "main", "x-gyre-call-id": f"main/{ep.calls}", "x-gyre-attempt": str(ep.attempt)}
     reply = client.chat.completions.create(model=model, messages=ep.messages, max_tokens=6,  # type: ignore[arg-type]
                                            temperature=temperature, extra_headers=headers)
     text = reply.choices[0].message.content or ""
@@ -138,7 +139,7 @@ def run(*, base_url: str, scheduler: str, reward: str, job_id: str = "", model: 
                 rew.configure_job(lease.job_id, ScorerSpec(kind="external", target=scorer_address))
                 configured.add(lease.job_id)
             task_id = json.loads(lease.payload)["task_id"]
-            ep = Episode(lease.job_id, lease.execution_id, task_from_id(task_id))
+            ep = Episode(lease.job_id, lease.execution_id, task_from_id(task_id), attempt=lease.attempt)
             try:
                 status = solve(client, ep, model=model, temperature=temperature, deadline_s=lease.deadline_s)
             except openai.OpenAIError as exc:

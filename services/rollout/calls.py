@@ -30,8 +30,11 @@ class CallMeta:
     call_id: str = ""
     agent_id: str = ""
     role: str = "main"
+    attempt: int = 0  # the execution's lease attempt (0: not given)
 
     def __post_init__(self) -> None:
+        if self.attempt < 0:
+            raise InvalidArgument(f"attempt must be >= 0, got {self.attempt}")
         if self.role not in ROLES:
             raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
 

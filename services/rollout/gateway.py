@@ -383,7 +383,7 @@ class Gateway:
                 execution_id=m.execution_id, call_id=m.call_id or call.request_id, agent_id=m.agent_id,
                 role=Role.parse(m.role), output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
                 prompt_ids=call.prompt_ids, job_id=m.job_id, finished_at_s=time.time(),
-                finish_reason=call.finish_reason))
+                finish_reason=call.finish_reason, attempt=m.attempt))
 
     # -- draining ---------------------------------------------------------------------------
     def drain_engine(self, cell_id: str, transport: str = "auto", *, keep_registered: bool = False,

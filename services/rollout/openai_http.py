@@ -8,7 +8,8 @@ the exact ids of earlier turns are reused when the messages extend an earlier co
 Gyre fields ride in headers or in the body (the ``openai`` client's ``extra_body``):
 ``x-gyre-execution-id`` / ``execution_id``, ``x-gyre-agent-id`` / ``agent_id``, ``x-gyre-role`` /
 ``role`` (main | subagent | summary), ``x-gyre-call-id`` / ``call_id``, ``x-gyre-job-id`` /
-``job_id``; ``top_k`` and ``return_token_ids`` (adds ``gyre.prompt_ids``/``gyre.output_ids``).
+``job_id``, ``x-gyre-attempt`` / ``attempt`` (the lease's attempt: a re-leased execution's records
+replace the earlier attempt's); ``top_k`` and ``return_token_ids`` (adds ``gyre.prompt_ids``/``gyre.output_ids``).
 Errors are OpenAI-style JSON: 400 bad input, 404 unknown route/model/session, 413 too large,
 503 no engine.
 """
@@ -67,9 +68,13 @@ class OpenAIEndpoint:
                 raise InvalidArgument(f"{name} must be a string")
             return value
 
+        attempt = headers.get("x-gyre-attempt") or body.get("attempt") or 0
+        if isinstance(attempt, bool) or not (isinstance(attempt, int) and attempt >= 0
+                                             or isinstance(attempt, str) and attempt.isdigit()):
+            raise InvalidArgument(f"attempt must be a non-negative integer (the lease's attempt), got {attempt!r}")
         return CallMeta(job_id=field("job_id") or self.job_id, execution_id=field("execution_id"),
                         call_id=field("call_id") or uuid.uuid4().hex, agent_id=field("agent_id"),
-                        role=field("role") or "main")
+                        role=field("role") or "main", attempt=int(attempt))
 
     def _params(self, body: dict[str, Any]) -> SamplingParams:
         if body.get("model") not in (None, "", self.model_name):

@@ -38,12 +38,13 @@ def meta_from_proto(ctx: common_pb2.CallContext) -> CallMeta:
     if ctx.role not in ROLE_TO_STR:
         raise InvalidArgument(f"unknown role {ctx.role}")
     return CallMeta(job_id=ctx.job_id, execution_id=ctx.execution_id, call_id=ctx.call_id,
-                    agent_id=ctx.agent_id, role=ROLE_TO_STR[ctx.role])
+                    agent_id=ctx.agent_id, role=ROLE_TO_STR[ctx.role], attempt=ctx.attempt)
 
 
 def meta_to_proto(meta: CallMeta) -> common_pb2.CallContext:
     return common_pb2.CallContext(job_id=meta.job_id, execution_id=meta.execution_id,
-                                  call_id=meta.call_id, agent_id=meta.agent_id, role=STR_TO_ROLE[meta.role])
+                                  call_id=meta.call_id, agent_id=meta.agent_id, role=STR_TO_ROLE[meta.role],
+                                  attempt=meta.attempt)
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

@@ -84,10 +84,20 @@ class GatewayModelClient:
         self.gateway = gateway  # services.rollout.client.GatewayClient
         self.retries = retries
         self._last: dict[tuple[str, str], tuple[str, np.ndarray]] = {}
+        self._attempts: dict[str, int] = {}  # execution id -> its lease attempt (sent with each call)
         self._lock = threading.Lock()
+
+    def begin(self, execution_id: str, attempt: int) -> None:
+        """Calls of ``execution_id`` from now on belong to lease ``attempt`` (a re-leased execution
+        starts over: the trajectory service drops an earlier attempt's records)."""
+        with self._lock:
+            self._attempts[execution_id] = attempt
+            for key in [k for k in self._last if k[0] == execution_id]:
+                del self._last[key]  # sessions of an earlier attempt are not this one's context
 
     def forget(self, execution_id: str) -> None:
         with self._lock:
+            self._attempts.pop(execution_id, None)
             for key in [k for k in self._last if k[0] == execution_id]:
                 del self._last[key]
 
@@ -96,8 +106,10 @@ class GatewayModelClient:
         from services.rollout.calls import CallMeta
         from services.rollout.engine import SamplingParams
 
+        with self._lock:
+            attempt = self._attempts.get(context.execution_id, 0)
         meta = CallMeta(job_id=context.job_id, execution_id=context.execution_id, call_id=context.call_id,
-                        agent_id=context.agent_id, role=context.role)
+                        agent_id=context.agent_id, role=context.role, attempt=attempt)
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=sampling.stop_token_ids,
                                 seed=sampling.seed)
@@ -282,6 +294,9 @@ class Harness:
 
         eid = lease.execution_id
         job = self.record_job(lease)
+        begin = getattr(self.model, "begin", None)  # a model client that records calls under the lease's attempt
+        if begin is not None:
+            begin(eid, int(lease.attempt))
         blog = log.bind(job_id=lease.job_id, execution_id=eid, evaluation=bool(getattr(lease, "evaluation", False)))
         cancelled, ended = threading.Event(), threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(lease, cancelled, ended), daemon=True)

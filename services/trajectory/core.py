@@ -79,6 +79,7 @@ class _Execution:
     packed: bool = False
     stats: TreeStats | None = None
     known_calls: set[str] | None = None  # call ids, kept once the tree is dropped
+    attempt: int | None = None  # lease attempt of its records (None: not read from storage yet)
 
 
 @dataclass
@@ -139,6 +140,8 @@ class TrajectoryCore:
                     raise FailedPrecondition(
                         f"execution {call.execution_id!r} of job {job!r} was already packed for training; "
                         f"record {call.call_id!r} arrived too late")
+                if call.attempt:
+                    self._check_attempt(ex, call)
                 tree = self._tree(ex)
                 try:
                     ins = tree.add(call)
@@ -165,6 +168,29 @@ class TrajectoryCore:
         UNIQUE_TOKENS.inc(new_tokens)
         RECORD_TOKENS.inc(record_tokens)
         return IngestSummary(accepted, duplicates, new_tokens, record_tokens, len(touched))
+
+    def _check_attempt(self, ex: _Execution, call: TitoCall) -> None:
+        """A record of a later lease attempt starts the execution over; one of an earlier attempt
+        is refused (that attempt was superseded: its process may still be sending). Holds ex.lock."""
+        if ex.attempt is None:
+            ex.attempt = self.store.attempt(ex.job_id, ex.execution_id)
+        if call.attempt < ex.attempt:
+            RECORDS.labels("superseded").inc()
+            raise FailedPrecondition(
+                f"record {call.call_id!r} is from attempt {call.attempt} of execution {ex.execution_id!r}, "
+                f"which attempt {ex.attempt} superseded; it is not recorded")
+        if call.attempt == ex.attempt:
+            return
+        if ex.outcome is not None:
+            raise FailedPrecondition(
+                f"execution {ex.execution_id!r} has ended (attempt {ex.attempt}); a record of attempt "
+                f"{call.attempt} cannot start it over")
+        dropped = ex.num_calls if ex.tree is not None else self.store.num_calls(ex.job_id, ex.execution_id)
+        self.store.start_attempt(ex.job_id, ex.execution_id, call.attempt)
+        if dropped:
+            log.warning("records of an earlier attempt superseded", job_id=ex.job_id, execution_id=ex.execution_id,
+                        attempt=call.attempt, previous=ex.attempt, dropped_records=dropped)
+        ex.attempt, ex.tree, ex.num_calls, ex.known_calls, ex.stats = call.attempt, None, 0, None, None
 
     def _check_limits(self, call: TitoCall) -> None:
         if call.stored_tokens > self.cfg.max_record_tokens:

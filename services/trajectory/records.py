@@ -134,6 +134,7 @@ class TitoCall:
     job_id: str = ""
     finished_at_s: float = 0.0
     finish_reason: str = ""
+    attempt: int = 0  # the execution's lease attempt (0: not given); see CallContext.attempt
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -262,7 +263,14 @@ class DeltaEncoder:
         return delta
 
     def encode_call(self, call: TitoCall) -> TitoCall:
-        """``call`` with its full prompt replaced by a delta (delta calls are recorded as they are)."""
+        """``call`` with its full prompt replaced by a delta (delta calls are recorded as they are).
+        A call of a later lease attempt starts the execution over: no delta against an earlier
+        attempt's calls (the trajectory service drops those)."""
+        state = self._executions.get(call.execution_id)
+        if state is not None and call.attempt and call.attempt != state.attempt:
+            del self._executions[call.execution_id]
+        if call.attempt:
+            self._executions.setdefault(call.execution_id, _EncoderState()).attempt = call.attempt
         if call.prompt_ids is None:
             self._record_delta_call(call)
             return call
@@ -306,6 +314,7 @@ class _EncoderState:
     deltas: dict[str, PromptDelta] = field(default_factory=dict)
     end_nodes: dict[str, int] = field(default_factory=dict)
     last_by_agent: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+    attempt: int = 0  # lease attempt of the calls seen (0: not given)
 
 
 # --------------------------------------------------------------------------- JSONL

@@ -108,6 +108,25 @@ class TrajectoryStore:
             p.rpush(key, entry)
             p.execute()
 
+    def attempt(self, job_id: str, execution_id: str) -> int:
+        """The lease attempt the execution's stored records belong to (0: none given yet)."""
+        raw = self.r.get(self.keys.key("attempt", job_id, execution_id))
+        return int(raw) if raw is not None else 0
+
+    def start_attempt(self, job_id: str, execution_id: str, attempt: int) -> int:
+        """Drop the execution's stored records (an earlier attempt's) and record ``attempt``.
+        Returns the blobs deleted."""
+        key = self.keys.key("calls", job_id, execution_id)
+        deleted = 0
+        for raw in self.r.lrange(key, 0, -1):
+            self.blobs.delete(json.loads(raw)["blob"])
+            deleted += 1
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.set(self.keys.key("attempt", job_id, execution_id), attempt)
+        pipe.execute()
+        return deleted
+
     def num_calls(self, job_id: str, execution_id: str) -> int:
         return int(self.r.llen(self.keys.key("calls", job_id, execution_id)))
 

@@ -45,13 +45,14 @@ def record_from_proto(rec: common_pb2.TitoRecord) -> TitoCall:
         output_logprobs=np.array(rec.output_logprobs, dtype=np.float32),
         weight_version=int(rec.weight_version),
         prompt_ids=None if delta is not None else _ids(rec.prompt_ids), delta=delta, job_id=ctx.job_id,
-        finished_at_s=rec.finished_at_s, finish_reason=rec.finish_reason)
+        finished_at_s=rec.finished_at_s, finish_reason=rec.finish_reason, attempt=max(int(ctx.attempt), 0))
 
 
 def record_to_proto(call: TitoCall) -> common_pb2.TitoRecord:
     rec = common_pb2.TitoRecord(
         context=common_pb2.CallContext(job_id=call.job_id, execution_id=call.execution_id, call_id=call.call_id,
-                                       agent_id=call.agent_id, role=int(call.role)),  # type: ignore[arg-type]
+                                       agent_id=call.agent_id, role=int(call.role),  # type: ignore[arg-type]
+                                       attempt=call.attempt),
         output_ids=call.output_ids.tolist(), output_logprobs=call.output_logprobs.tolist(),
         weight_version=call.weight_version, finished_at_s=call.finished_at_s, finish_reason=call.finish_reason)
     if call.prompt_ids is not None:

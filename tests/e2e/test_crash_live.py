@@ -3,8 +3,9 @@
 The stack's supervisor (services/supervisor.py, started by `gyre up`) starts the process again
 with its own command on its own address; the job goes on and completes. Checked each time: the
 job completes with every step published once and in order (final weight version = steps), every
-execution of every step ended exactly once, and the killed process was restarted and serves
-again. A joined trainer replica (a freed cell's process, started by the trainer core, not
+execution of every step ended exactly once, no TITO record of the job was refused by trajectory
+(an execution leased again after a crash starts over: its records supersede the earlier
+attempt's), and the killed process was restarted and serves again. A joined trainer replica (a freed cell's process, started by the trainer core, not
 supervised) is evicted at once and the core trains again the micro-batches it had taken, so the
 step's update is whole (tests/service/test_trainer_elastic.py checks it equals a single process's).
 Everything goes through the `gyre` command and the scheduler's API.
@@ -34,7 +35,8 @@ JOB = ["--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     data = tmp_path_factory.mktemp("crash-stack")
-    gyre(data, "up", "--engines", "2", "--harness-concurrency", "4")
+    # trajectory keeps consumed steps' records, so the test can count every execution's records
+    gyre(data, "up", "--engines", "2", "--harness-concurrency", "4", env={"GYRE_TRAJECTORY_COLLECT_DONE_STEPS": "false"})
     try:
         yield data
     finally:
@@ -59,6 +61,23 @@ def _until_running(data: Path, job_id: str, timeout_s: float = 120.0) -> None:
         while c.get_job(job_id).running == 0:
             assert time.monotonic() < deadline, "no execution of the job started"
             time.sleep(0.05)
+
+
+def _records_match_calls(data: Path, job_id: str, executions: set[str]) -> None:
+    """Every model call of each ended execution's final attempt (the harness's "execution ended"
+    line counts them) is one TITO record in trajectory: none lost, none doubled."""
+    from services.trajectory.client import TrajectoryClient
+
+    calls: dict[str, int] = {}
+    for line in (data / "logs" / "harness.log").read_text(errors="replace").splitlines():
+        if '"execution ended"' in line and job_id in line:
+            rec = json.loads(line)
+            if rec.get("execution_id") in executions and isinstance(rec.get("calls"), dict):
+                calls[rec["execution_id"]] = sum(int(v) for v in rec["calls"].values())  # the last attempt's
+    assert set(calls) == executions, sorted(executions - set(calls))
+    with TrajectoryClient(_state(data)["services"]["trajectory"]["address"]) as trajectory:
+        got = {eid: trajectory.execution_stats(eid, job_id=job_id).num_calls for eid in sorted(executions)}
+    assert got == calls, {e: (got[e], calls[e]) for e in executions if got[e] != calls[e]}
 
 
 def _trainer(data: Path):  # noqa: ANN202 - lazy import
@@ -136,6 +155,13 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
     ended = [e["execution_id"] for e in events if e["kind"] == "execution_completed" and not e.get("evaluation")]
     assert len(ended) == len(set(ended)) == steps * groups * 2, sorted(ended)
     assert all(e["status"] in ("finished", "timeout", "failed") for e in events if e["kind"] == "execution_completed")
+    # every TITO record reached trajectory: none of this job's was refused (a conflict with an
+    # earlier attempt's record, a delta against a call it never got, one that came too late)
+    refused = [line for line in (stack / "logs" / "trajectory.log").read_text(errors="replace").splitlines()
+               if "IngestRecords" in line and "rpc rejected" in line and job_id in line]
+    assert not refused, refused[:3]
+    _records_match_calls(stack, job_id, {e["execution_id"] for e in events if e["kind"] == "execution_completed"
+                                         and e["status"] == "finished" and not e.get("evaluation")})
     if victim == "replica":  # not a supervised process: the core evicts it and trains its share again
         with _trainer(stack) as trainer:
             reports = [trainer.wait_step(s, timeout_s=10) for s in range(steps)]

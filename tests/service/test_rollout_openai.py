@@ -133,6 +133,9 @@ def test_bad_requests_get_openai_style_errors(stack: tuple[OpenAIServer, LocalGa
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model="gyre-tiny", messages=[{"role": "user", "content": "hi"}],
                                        extra_headers={"x-gyre-role": "boss"})
+    with pytest.raises(openai.BadRequestError, match="attempt must be a non-negative integer"):
+        client.chat.completions.create(model="gyre-tiny", messages=[{"role": "user", "content": "hi"}],
+                                       extra_headers={"x-gyre-attempt": "second"})
     status, body = raw(server, "/v1/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = raw(server, "/v1/nothing", b"{}")

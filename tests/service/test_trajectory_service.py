@@ -292,3 +292,27 @@ def test_restart_with_a_lost_spool_still_starts_and_serves(start, tmp_path: Path
     svc2.client.complete_execution(outcome("n0", "g0", 1.0, step=3))
     svc2.client.complete_execution(outcome("n1", "g0", 0.0, step=3))
     assert svc2.client.close_step(JOB, 3).num_executions == 2
+
+
+def test_a_later_lease_attempt_supersedes_the_earlier_attempts_records(start) -> None:
+    """An execution leased again after a crash runs from the start with the same call ids: its
+    records replace the earlier attempt's (not refused as conflicting, not mixed into one tree), and
+    a late record of the superseded attempt is refused. Through the client's delta encoder, as the
+    gateway sends them: no delta of attempt 2 may point at an attempt-1 call."""
+    svc = start()
+    first = [TitoCall(**{**c.__dict__, "attempt": 1}) for c in execution("e-att", 3, 6)]
+    assert svc.client.ingest(first[:4], delta_encode=True).accepted == 4
+    second = [TitoCall(**{**c.__dict__, "attempt": 2}) for c in execution("e-att", 4, 3)]  # other content
+    assert svc.client.ingest(second, delta_encode=True).accepted == 3
+    tree = ExecutionTree("e-att")
+    for c in second:
+        tree.add(c)
+    stats = svc.client.execution_stats("e-att", job_id=JOB)
+    assert stats.num_calls == 3 and stats.tree_tokens == tree.stats().tree_tokens
+    with pytest.raises(errors.FailedPrecondition, match="attempt 2 superseded"):
+        svc.client.ingest(first[4:5])
+    svc.stop()  # the attempt is durable: a restarted service still refuses attempt 1
+    svc2 = start()
+    with pytest.raises(errors.FailedPrecondition, match="superseded"):
+        svc2.client.ingest(first[5:6])
+    assert svc2.client.execution_stats("e-att", job_id=JOB).num_calls == 3
