@@ -25,6 +25,8 @@ class HarnessConfig:
     call_retries: int = setting(3, "Retries of a model call the gateway answered UNAVAILABLE.")
     reward_retry_s: float = setting(300.0, "How long an ended execution's workspace and score are retried while "
                                            "the reward service is unreachable (its lease kept meanwhile).")
+    complete_retry_s: float = setting(300.0, "How long an execution's completion is retried while the scheduler is "
+                                             "unreachable (a restart; its lease kept meanwhile).")
     max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
     context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
     fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
@@ -41,6 +43,7 @@ class HarnessConfig:
         check(self.call_timeout_s > 0, "call_timeout_s", self.call_timeout_s, "> 0 seconds")
         check(self.call_retries >= 0, "call_retries", self.call_retries, ">= 0")
         check(self.reward_retry_s >= 0, "reward_retry_s", self.reward_retry_s, ">= 0 seconds")
+        check(self.complete_retry_s >= 0, "complete_retry_s", self.complete_retry_s, ">= 0 seconds")
         check(self.max_executions >= 0, "max_executions", self.max_executions, ">= 0")
         for name in ("scheduler", "gateway", "reward"):
             value = getattr(self, name)

@@ -340,19 +340,27 @@ class Harness:
         except errors.FailedPrecondition:
             pass  # already scored (a re-leased attempt of an execution that another attempt finished)
         except errors.GyreError as exc:  # its lease (no longer renewed) expires: run again, or a timeout
+            ended.set()  # stop renewing the lease
             blog.warning("reward unreachable; the execution is left to its lease (run again, or scored as a "
                          "timeout from its preserved workspace)", error=str(exc))
             return
+        # Retried while the scheduler restarts (CompleteExecution is idempotent per lease token),
+        # the lease still renewed: a finished execution is never run again because one answer was lost.
+        try:
+            self._retry_call("complete", lambda: self.scheduler.complete(eid, lease.lease_token, ExecState(status),
+                                                                           reason[:500]),
+                             blog, budget_s=self.cfg.complete_retry_s, service="scheduler")
+        except errors.GyreError as exc:
+            blog.warning("complete failed; the execution is left to its lease", error=str(exc))
         finally:
             ended.set()  # stop renewing the lease
-        try:
-            self.scheduler.complete(eid, lease.lease_token, ExecState(status), reason[:500])
-        except errors.GyreError as exc:
-            blog.warning("complete failed", error=str(exc))
 
     def _reward_call(self, what: str, fn: Any, blog: Any, *, budget_s: float) -> Any:
-        """``fn()`` retried with backoff and jitter while the reward service is unreachable (a
-        restart), for up to ``budget_s``; each retry logged."""
+        return self._retry_call(what, fn, blog, budget_s=budget_s, service="reward")
+
+    def _retry_call(self, what: str, fn: Any, blog: Any, *, budget_s: float, service: str) -> Any:
+        """``fn()`` retried with backoff and jitter while ``service`` is unreachable (a restart),
+        for up to ``budget_s``; each retry logged."""
         deadline = time.monotonic() + budget_s
         pause = 0.2
         attempt = 0
@@ -363,7 +371,7 @@ class Harness:
                 attempt += 1
                 if time.monotonic() + pause > deadline or self.stopping.is_set():
                     raise
-                blog.warning("reward unavailable; retrying", call=what, attempt=attempt, error=str(exc))
+                blog.warning(f"{service} unavailable; retrying", call=what, attempt=attempt, error=str(exc))
                 time.sleep(pause * (0.5 + random.random()))
                 pause = min(5.0, pause * 2)
 
