@@ -288,10 +288,11 @@ def open_group(seal: Seal, *, store_host: str, store_port: int, backend: str,
         return dist.ProcessGroupNCCL(prefixed, seal.rank, seal.world_size, opts)
     if backend != "gloo":
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [gloo_device(store_host, store_port)]
-    return dist.ProcessGroupGloo(prefixed, seal.rank, seal.world_size, opts)
+    # As torch.distributed builds it, with the device chosen here (torch's stubs omit _Options).
+    gloo_opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo_opts._timeout = timeout
+    gloo_opts._devices = [gloo_device(store_host, store_port)]
+    return dist.ProcessGroupGloo(prefixed, seal.rank, seal.world_size, gloo_opts)
 
 
 def gloo_device(store_host: str, store_port: int) -> object:
