@@ -34,7 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "recovery.md"
 PY = sys.executable
-VICTIMS = ("engine-1", "cell-1", "gateway", "reward", "trajectory", "harness", "trainer", "scheduler", "redis")
+# The harness goes last: the executions it held wait out their lease TTL, and a scheduler takeover
+# grants every lease a full TTL again, so killed earlier it would blur the rows after it.
+VICTIMS = ("engine-1", "cell-1", "gateway", "reward", "trajectory", "trainer", "scheduler", "redis", "harness")
 GROUPS, GROUP_SIZE = 2, 2
 
 
@@ -193,7 +195,8 @@ def main() -> None:
         "(imports, the model for engines, Redis/spool recovery); the next completed execution also waits for "
         "what the process's peers retry (harness calls, reward retries, the trainer's resume from its last "
         "checkpoint and step journal). A next execution sooner than serving again means work went on "
-        "meanwhile (e.g. the other engine served).", "",
+        "meanwhile (e.g. the other engine served). A killed harness's executions wait out their lease TTL "
+        "(60 s) before they run again elsewhere.", "",
     ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines))
