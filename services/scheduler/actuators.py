@@ -73,10 +73,10 @@ class ServicesActuator:
         if from_role is Role.ROLLOUT:
             info = _drain(self.gateway, cell)
         elif from_role is Role.TRAIN:
+            # a hosted replica is only released here: its agent stops it below (and waits for it)
+            wait_s = 0.0 if cell.hosts_replica else self.timeout_s
             try:
-                # a hosted replica is released here and stopped by its agent below
-                released = self.trainer.release_replica(cell.cell_id, wait_s=0.0 if cell.hosts_replica
-                                                        else self.timeout_s) or cell.hosts_replica
+                released = self.trainer.release_replica(cell.cell_id, wait_s=wait_s) or cell.hosts_replica
             except (NotFound, FailedPrecondition):  # no replica (or no job: a restarted trainer) there
                 released = True
             if not released:

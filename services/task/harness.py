@@ -309,8 +309,8 @@ class Harness:
             def preserve(snapshot: dict[str, bytes]) -> None:
                 # best effort: a snapshot lets a timed-out run be scored partially; the final one counts
                 try:
-                    self._reward_call("preserve workspace", lambda: self.reward.submit_workspace(
-                        job, eid, snapshot, task_id=task_id), blog, budget_s=10.0)
+                    self._retry_call("preserve workspace", lambda: self.reward.submit_workspace(
+                        job, eid, snapshot, task_id=task_id), blog, budget_s=10.0, service="reward")
                 except errors.GyreError as exc:
                     blog.warning("workspace snapshot not preserved; the execution goes on", error=str(exc))
 
@@ -332,11 +332,11 @@ class Harness:
         # execution would never reach its training step. The lease keeps being renewed meanwhile.
         try:
             if files:
-                self._reward_call("submit workspace", lambda: self.reward.submit_workspace(
-                    job, eid, files, task_id=task_id), blog, budget_s=self.cfg.reward_retry_s)
-            self._reward_call("score", lambda: self.reward.score(
+                self._retry_call("submit workspace", lambda: self.reward.submit_workspace(
+                    job, eid, files, task_id=task_id), blog, budget_s=self.cfg.reward_retry_s, service="reward")
+            self._retry_call("score", lambda: self.reward.score(
                 job, eid, status, timeout_policy=self._timeout_policy(lease.job_id), group_id=lease.group_id,
-                step=lease.step, task_id=task_id), blog, budget_s=self.cfg.reward_retry_s)
+                step=lease.step, task_id=task_id), blog, budget_s=self.cfg.reward_retry_s, service="reward")
         except errors.FailedPrecondition:
             pass  # already scored (a re-leased attempt of an execution that another attempt finished)
         except errors.GyreError as exc:  # its lease (no longer renewed) expires: run again, or a timeout
@@ -354,9 +354,6 @@ class Harness:
             blog.warning("complete failed; the execution is left to its lease", error=str(exc))
         finally:
             ended.set()  # stop renewing the lease
-
-    def _reward_call(self, what: str, fn: Any, blog: Any, *, budget_s: float) -> Any:
-        return self._retry_call(what, fn, blog, budget_s=budget_s, service="reward")
 
     def _retry_call(self, what: str, fn: Any, blog: Any, *, budget_s: float, service: str) -> Any:
         """``fn()`` retried with backoff and jitter while ``service`` is unreachable (a restart),

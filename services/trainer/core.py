@@ -89,16 +89,19 @@ class _JobState:
     error: str = ""
 
 
+def _unknown_replica(_replica_id: str) -> bool | None:
+    return None  # liveness not known here: the member timeout decides
+
+
 class CoreTrainer:
     """Rank 0 of every step; thread-safe facade used by the gRPC servicer."""
-
-    # replica id -> False once its process is known dead (the servicer wires the replicas it spawned)
-    replica_alive: Callable[[str], bool | None] = staticmethod(lambda _rid: None)
 
     def __init__(self, *, store_host: str = "127.0.0.1", store_port: int = 0, advertise_host: str = "",
                  member_timeout_s: float = 300.0, collective_timeout_s: float = 600.0,
                  publish_chunk_bytes: int = 4 << 20,
                  reporter: Callable[[TrainerJob, int, str, int], None] | None = None) -> None:
+        # replica id -> False once its process is known dead (the servicer wires the replicas it spawned)
+        self.replica_alive: Callable[[str], bool | None] = _unknown_replica
         import torch.distributed as dist
 
         self.store = dist.TCPStore(store_host, store_port, is_master=True, wait_for_workers=False,

@@ -38,7 +38,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """The replica processes this core starts; a replica whose process died is evicted from
         its step at once (not after member_timeout_s)."""
         self._replicas = replicas
-        self.core.replica_alive = replicas.alive if replicas is not None else (lambda _rid: None)
+        if replicas is not None:
+            self.core.replica_alive = replicas.alive
 
     # -- jobs -------------------------------------------------------------------------------------
     def StartJob(self, request: trainer_pb2.StartJobRequest, context: Any) -> trainer_pb2.StartJobResponse:

@@ -186,7 +186,7 @@ class TrajectoryCore:
                 f"execution {ex.execution_id!r} has ended (attempt {ex.attempt}); a record of attempt "
                 f"{call.attempt} cannot start it over")
         dropped = ex.num_calls if ex.tree is not None else self.store.num_calls(ex.job_id, ex.execution_id)
-        self.store.start_attempt(ex.job_id, ex.execution_id, call.attempt)
+        self.store.start_attempt(ex.job_id, ex.execution_id, call.attempt, drop=dropped > 0)
         if dropped:
             log.warning("records of an earlier attempt superseded", job_id=ex.job_id, execution_id=ex.execution_id,
                         attempt=call.attempt, previous=ex.attempt, dropped_records=dropped)
@@ -525,7 +525,12 @@ class TrajectoryCore:
         """The trainer's verdict on a consumed step (see ``SettleStep``): reopen the batches the
         given consumers acknowledged, or (none given) mark the step final and collect it."""
         job = job or DEFAULT_JOB
-        st = self._step(job, step)
+        if step < 0:
+            raise InvalidArgument(f"step {step} must be >= 0")
+        with self._lock:
+            st = self._steps.get((job, step))  # recover() rebuilt every step a restart knew
+        if st is None:
+            raise NotFound(f"step {step} of job {job!r} was never opened here; nothing to settle")
         consumers = {c for c in reopen if c}
         with st.lock:
             if not consumers:

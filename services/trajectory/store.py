@@ -113,12 +113,12 @@ class TrajectoryStore:
         raw = self.r.get(self.keys.key("attempt", job_id, execution_id))
         return int(raw) if raw is not None else 0
 
-    def start_attempt(self, job_id: str, execution_id: str, attempt: int) -> int:
-        """Drop the execution's stored records (an earlier attempt's) and record ``attempt``.
-        Returns the blobs deleted."""
+    def start_attempt(self, job_id: str, execution_id: str, attempt: int, *, drop: bool = True) -> int:
+        """Record ``attempt``, dropping the execution's stored records first (an earlier
+        attempt's; ``drop=False``: there are none). Returns the blobs deleted."""
         key = self.keys.key("calls", job_id, execution_id)
         deleted = 0
-        for raw in self.r.lrange(key, 0, -1):
+        for raw in self.r.lrange(key, 0, -1) if drop else ():
             self.blobs.delete(json.loads(raw)["blob"])
             deleted += 1
         pipe = self.r.pipeline(transaction=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.longcalls import LongCalls
-from tests.unit.test_deploy import parse_unit
+from tests.support.systemd import parse_unit
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "deploy" / "systemd"

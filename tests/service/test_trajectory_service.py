@@ -221,6 +221,22 @@ def test_work_queue_hands_each_batch_once_and_rehands_a_lost_consumers_batch(sta
     with pytest.raises(errors.FailedPrecondition, match="acknowledged by consumer"):
         svc.client.ack(JOB, 3, first.batch_id, "lost")  # too late: someone else trained on it
 
+    # consumer A dies with its gradients: the trainer reopens what A acknowledged; C trains it again
+    reopened, plan = svc.client.settle_step(JOB, 3, reopen=["A"])
+    assert reopened == len(a) and not plan.done
+    c: list = []
+    _drain(svc.client, 3, "C", c)
+    assert sorted(x.batch_id for x in c) == sorted(x.batch_id for x in a)
+    assert svc.client.settle_step(JOB, 3)[0] == 0  # final: the payloads are collected
+    with pytest.raises(errors.FailedPrecondition, match="cannot be reopened"):
+        svc.client.settle_step(JOB, 3, reopen=["B"])
+    with pytest.raises(errors.NotFound, match="never opened"):
+        svc.client.settle_step(JOB, 99)
+    with pytest.raises(errors.InvalidArgument, match="step -1"):
+        svc.client.settle_step(JOB, -1)
+    with pytest.raises(errors.InvalidArgument, match="reopen_consumer_ids"):
+        svc.client.settle_step(JOB, 3, reopen=[""])
+
 
 def test_restart_keeps_batches_acks_and_unreleased_groups(start) -> None:
     svc = start(collect_done_steps=False)

@@ -17,6 +17,7 @@ import yaml
 
 from services.common.config import ServerConfig, load_config
 from services.launcher import ServiceSpec, default_specs, service_command
+from tests.support.systemd import parse_unit
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -67,29 +68,6 @@ def module_and_flags(argv: list[str]) -> tuple[str, list[str]]:
 
 def flag_value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
-
-
-def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
-    """A systemd unit as {section: {key: [values...]}} (keys may repeat; ``\\`` continues a line)."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    current: dict[str, list[str]] | None = None
-    pending = ""
-    for raw in path.read_text().splitlines():
-        line = pending + raw.strip()
-        pending = ""
-        if line.endswith("\\"):
-            pending = line[:-1] + " "
-            continue
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1], {})
-            continue
-        assert current is not None, f"{path.name}: {line!r} before any [section]"
-        key, eq, value = line.partition("=")
-        assert eq, f"{path.name}: {line!r} is not key=value"
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
 
 
 def env_file_vars(path: Path) -> set[str]:
