@@ -113,12 +113,16 @@ def _rollout_cell_deps(cell_id: str, engine: str) -> Callable[[Mapping[str, str]
                       "--engine-address", a[engine]]
 
 
-def harness_spec(*, model: str, concurrency: int, job_id: str = "", extra: Sequence[str] = ()) -> ServiceSpec:
+def harness_spec(*, model: str, concurrency: int, worker_id: str, job_id: str = "",
+                 extra: Sequence[str] = ()) -> ServiceSpec:
     """The built-in harness worker (serves no gRPC): leases the executions of any running job that
-    built-in harnesses run (or only ``job_id``'s); ``extra``: more HarnessConfig flags."""
+    built-in harnesses run (or only ``job_id``'s); ``extra``: more HarnessConfig flags.
+    ``worker_id`` stays the same across the supervisor's restarts, so a restarted harness gives up
+    the leases its killed predecessor held at once."""
     job = ["--job-id", job_id] if job_id else []
     return ServiceSpec("harness", "services.task.harness", "harness", serves=False, extra=tuple(extra),
                        deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
+                                       "--worker-id", worker_id,
                                        "--reward", a["reward"], *job, "--model-dir", model,
                                        "--concurrency", str(concurrency),
                                        # model calls wait (not fail) while every cell trains

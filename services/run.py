@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import platform
+import socket
 import sys
 import threading
 import time
@@ -100,7 +101,9 @@ def bring_up(launcher: Launcher, run: RunConfig, model: str, *, echo: Callable[[
     specs = default_specs(run.engines, model=spec_or_dir, torch_threads=run.torch_threads)
     up = launcher.up(specs, redis_url=os.environ.get("REDIS_URL"), echo=echo, env=env)
     addresses = {k: v.address for k, v in up.items()}
-    launcher.start_workers([harness_spec(job_id=job_id, model=str(model_dir), concurrency=run.harness_concurrency)],
+    worker_id = f"{socket.gethostname()}:{launcher.data_dir}:harness"  # one per stack, stable across restarts
+    launcher.start_workers([harness_spec(job_id=job_id, model=str(model_dir), concurrency=run.harness_concurrency,
+                                         worker_id=worker_id)],
                            addresses, env=env, echo=echo)
     return up, model_dir, env
 

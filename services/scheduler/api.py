@@ -40,6 +40,9 @@ log = get_logger(__name__)
 LEASES = Counter("gyre_scheduler_leases_total", "Executions leased to harnesses.", registry=REGISTRY)
 COMPLETIONS = Counter("gyre_scheduler_completions_total", "Executions completed, by status (duplicates apart).",
                       ["status"], registry=REGISTRY)
+RELEASED = Counter("gyre_scheduler_released_leases_total",
+                   "Leases given up by a restarted worker (ReleaseWorker) rather than left to expire.",
+                   registry=REGISTRY)
 
 EVENT_ID_RE = re.compile(r"^\d{1,20}-\d{1,20}$")
 MAX_WAIT_S = 60.0
@@ -220,6 +223,18 @@ class SchedulerApi:
                 return None
             self.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
+
+    def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
+        """A worker (re)starting under ``worker_id`` gives up every lease that id holds: its
+        predecessor died holding them, so they run again now instead of after their lease TTL."""
+        _require(worker_id, "worker_id")
+        if len(reason) > 4096:
+            raise InvalidArgument("reason is longer than 4096 characters")
+        released = self.state.release_worker(worker_id)
+        if released:
+            RELEASED.inc(len(released))
+            log.info("worker leases released", worker_id=worker_id, executions=released, reason=reason)
+        return released
 
     def heartbeat(self, execution_id: str, lease_token: str) -> tuple[float, float, bool]:
         _require(execution_id, "execution_id")

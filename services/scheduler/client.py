@@ -115,6 +115,11 @@ class SchedulerClient(GrpcClient):
         state = STATUS_FROM_PB.get(res.status, ExecState.FAILED) if res.duplicate else status
         return CompleteResult(state, res.duplicate, res.done_in_step)
 
+    def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
+        """Give up every lease ``worker_id`` holds (call it when starting under a stable id)."""
+        res = self._call(self._worker.ReleaseWorker, pb.ReleaseWorkerRequest(worker_id=worker_id, reason=reason))
+        return list(res.execution_ids)
+
     # -- cells
     def register_cell(self, *, cell_id: str, address: str, role: Role, host: str = "", is_core: bool = False,
                       kv_capacity_tokens: int = 0, num_accelerators: int = 1, engine_address: str = "",

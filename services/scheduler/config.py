@@ -34,7 +34,9 @@ class SchedulerConfig(ServerConfig):
         "How role switches are carried out: 'services' (gateway + trainer RPCs) or 'agent' (each cell's "
         "CellAgent at its registered address).")
     orchestrate: bool = setting(True, "Run the orchestration loop (false: API-only replica).")
-    instance_id: str = setting("", "Name of this scheduler for leadership; empty: host-pid.")
+    instance_id: str = setting("", "Name of this scheduler for leadership; empty: host:port (stable across restarts, "
+                                   "so a restarted instance leads again at once). Never share one between two live "
+                                   "instances.")
     tick_interval_s: float = setting(0.5, "Seconds between orchestration ticks (decide, reap, enqueue).")
     leader_ttl_s: float = setting(10.0, "Orchestrator leadership lease; a dead leader is replaced after it.")
     lease_ttl_s: float = setting(60.0, "An execution lease expires this long after its last heartbeat.")

@@ -244,6 +244,23 @@ end
 return #ids
 """
 
+# KEYS: leases   ARGV: exec_prefix, worker_id, now
+# Ends every lease held by worker_id now (its process restarted: they can never be renewed); the
+# reaper re-queues them (or ends them as timeouts after max_attempts) on its next pass.
+RELEASE_WORKER = r"""
+local out = {}
+for _, eid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local ek = ARGV[1] .. eid
+  local st, worker = unpack(redis.call('HMGET', ek, 'state', 'worker_id'))
+  if st == 'leased' and worker == ARGV[2] then
+    redis.call('ZADD', KEYS[1], ARGV[3], eid)
+    redis.call('HSET', ek, 'lease_expires_ms', ARGV[3])
+    out[#out + 1] = eid
+  end
+end
+return out
+"""
+
 # KEYS: job, queue, running, events, active   ARGV: now, maxlen, exec_prefix, retention_ms, message, job_id
 CANCEL_JOB = _PRELUDE + r"""
 local st = redis.call('HGET', KEYS[1], 'state')

@@ -9,7 +9,6 @@ stateless and the orchestrator resumes (or rolls back) switches that were in fli
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,7 +57,10 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
                                   group_id=group_id, step=step)
             if not result.outcome_reported:  # the next Score of it re-sends the outcome
                 raise Unavailable(f"execution {execution_id!r} scored but its outcome did not reach trajectory yet")
-    instance_id = cfg.instance_id or f"{socket.gethostname()}-{os.getpid()}"
+    # host:port is stable across restarts and unique among live instances (the port is bound, no
+    # SO_REUSEPORT): a restarted scheduler takes its own leadership back at once instead of
+    # waiting out the lock's TTL
+    instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
     controller, clients = _job_controller(cfg, state, reward, server.port, instance_id)
     orchestrator = Orchestrator(
         state, actuator, instance_id=instance_id,

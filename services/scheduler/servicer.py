@@ -107,6 +107,10 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
                                             duplicate=res.duplicate, done_in_step=res.done_in_step)
 
 
+    def ReleaseWorker(self, request: pb.ReleaseWorkerRequest,
+                      context: grpc.ServicerContext) -> pb.ReleaseWorkerResponse:
+        return pb.ReleaseWorkerResponse(execution_ids=self.api.release_worker(request.worker_id, request.reason))
+
 class CellsServicer(scheduler_pb2_grpc.CellsServicer):
     def __init__(self, api: SchedulerApi) -> None:
         self.api = api

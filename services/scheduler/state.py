@@ -166,7 +166,7 @@ class SchedulerState:
         self.event_maxlen = event_maxlen
         self.retention_ms = int(retention_s * 1000)
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in (
-            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "ENQUEUE_EVAL", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES",
+            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "ENQUEUE_EVAL", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES", "RELEASE_WORKER",
             "CANCEL_JOB", "REPORT_TRAINING", "REGISTER_CELL", "CELL_HEARTBEAT", "DEREGISTER_CELL",
             "BEGIN_SWITCH", "END_SWITCH", "JOB_SNAPSHOT", "ACQUIRE_LEADER", "RELEASE_LEADER")}
 
@@ -471,6 +471,12 @@ class SchedulerState:
         """Extend every lease to expire no sooner than ``ttl_s`` from now (after a leader change)."""
         until = self.now_ms() + int(ttl_s * 1000)
         return int(self._run("GRACE_LEASES", [self.keys.leases], [until, self.keys.exec_prefix]))
+
+    def release_worker(self, worker_id: str) -> list[str]:
+        """End every lease ``worker_id`` holds now (a restarted worker's predecessor died holding
+        them); the reaper re-queues them on its next pass. Returns their execution ids."""
+        return [_s(e) for e in self._run("RELEASE_WORKER", [self.keys.leases],
+                                         [self.keys.exec_prefix, worker_id, self.now_ms()])]
 
     def execution(self, execution_id_: str) -> ExecutionRecord:
         h = self.r.hgetall(self.keys.execution(execution_id_))

@@ -18,7 +18,10 @@ class HarnessConfig:
     reward: str = setting("127.0.0.1:50053", "host:port of the reward service.")
     concurrency: int = setting(4, "Executions run at once (one thread each).")
     job_id: str = setting("", "Lease only this job's executions; empty = any job.")
-    worker_id: str = setting("", "Name shown in the scheduler; empty = host-pid.")
+    worker_id: str = setting("", "Stable name of this worker process, shown in the scheduler. When set, the process "
+                                 "first gives up the leases this id still holds (its predecessor died holding "
+                                 "them), so they run again at once instead of after their lease TTL; two live "
+                                 "workers must never share one. Empty = host + a random suffix (no release).")
     model_dir: str = setting("", "Tokenizer directory of the served model; empty = the built-in tokenizer.")
     lease_wait_s: float = setting(5.0, "Long-poll wait for work, seconds.")
     call_timeout_s: float = setting(300.0, "Longest one model call may take, seconds.")

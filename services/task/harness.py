@@ -153,7 +153,7 @@ class Harness:
         self.scheduler, self.reward = scheduler, reward
         self._codec = codec
         self.model = GatewayModelClient(gateway, retries=cfg.call_retries)
-        self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{id(self) & 0xFFFF:x}"
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
         self.stopping = threading.Event()
         self._policies: dict[str, str] = {}
         self.done = 0
@@ -166,6 +166,8 @@ class Harness:
         self._tokenizer_lock = threading.Lock()
 
     def start(self) -> Harness:
+        if self.cfg.worker_id:
+            self._release_predecessor()
         for i in range(self.cfg.concurrency):
             t = threading.Thread(target=self._worker, name=f"harness-{i}", daemon=True)
             t.start()
@@ -174,6 +176,24 @@ class Harness:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def _release_predecessor(self) -> None:
+        """Under a stable worker id, first give up the leases that id still holds: a predecessor
+        process died holding them (a crash, a supervisor restart), so they run again now rather
+        than after their lease TTL. Before any thread leases, so only the dead process's go."""
+        pause = 0.5
+        while not self.stopping.is_set():
+            try:
+                released = self.scheduler.release_worker(self.worker_id, reason="the worker process (re)started")
+            except errors.GyreError as exc:
+                log.warning("releasing the predecessor's leases failed; retrying", worker_id=self.worker_id,
+                            error=str(exc))
+                self.stopping.wait(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            if released:
+                log.info("predecessor's leases released", worker_id=self.worker_id, executions=released)
+            return
 
     def join(self, timeout_s: float | None = None) -> None:
         for t in self._threads:

@@ -68,8 +68,14 @@ class TrainerClient(GrpcClient):
 
         r = self._call(self._stub.JoinStep, trainer_pb2.JoinStepRequest(replica_id=replica_id, cell_id=cell_id))
         ticket = JoinTicket(step=r.step, weight_version=r.weight_version, store_host=r.store_host,
-                            store_port=r.store_port, group_prefix=r.group_prefix)
+                            store_port=r.store_port, group_prefix=r.group_prefix,
+                            heartbeat_interval_s=r.heartbeat_interval_s)
         return ticket, wire.job_from_proto(r.job), r.backend
+
+    def replica_alive(self, replica_id: str, *, timeout_s: float = 10.0) -> bool:
+        """A member's heartbeat; False when the core no longer counts it in a step."""
+        r = self._call(self._stub.ReplicaAlive, trainer_pb2.ReplicaAliveRequest(replica_id=replica_id), timeout_s)
+        return bool(r.member)
 
     def await_reduce(self, replica_id: str, step: int, *, timeout_s: float = 3600.0) -> Seal:
         from services.trainer.elastic import Seal

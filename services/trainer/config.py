@@ -23,6 +23,9 @@ class TrainerConfig(ServerConfig):
     advertise_host: str = setting("", "Host replicas use to reach this core's store; empty = store_host.")
     member_timeout_s: float = setting(300.0, "A step member that has not reported this long after the core "
                                              "finished its share is evicted from the step, seconds.")
+    replica_silence_s: float = setting(20.0, "A step member (a replica, on any host) that has sent no heartbeat "
+                                              "this long is gone: evicted once the core is done, and its work "
+                                              "trained again; 0 = judge members only by member_timeout_s, seconds.")
     collective_timeout_s: float = setting(600.0, "Timeout of one all-reduce / process-group setup, seconds.")
     publish_chunk_mb: int = setting(4, "Size of one WeightChunk when streaming weights, MiB.")
     replica: bool = setting(False, "Run as a data-parallel replica of the core at --core (no server).")
@@ -38,6 +41,8 @@ class TrainerConfig(ServerConfig):
         super().__post_init__()
         check(0 <= self.store_port < 65536, "store_port", self.store_port, "an integer in [0, 65535]")
         check(self.member_timeout_s > 0, "member_timeout_s", self.member_timeout_s, "a positive number of seconds")
+        check(self.replica_silence_s == 0 or self.replica_silence_s >= 2, "replica_silence_s",
+              self.replica_silence_s, "0 (off) or at least 2 seconds")
         check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
               "a positive number of seconds")
         check(1 <= self.publish_chunk_mb <= 256, "publish_chunk_mb", self.publish_chunk_mb, "between 1 and 256 MiB")

@@ -97,7 +97,8 @@ class CoreTrainer:
     """Rank 0 of every step; thread-safe facade used by the gRPC servicer."""
 
     def __init__(self, *, store_host: str = "127.0.0.1", store_port: int = 0, advertise_host: str = "",
-                 member_timeout_s: float = 300.0, collective_timeout_s: float = 600.0,
+                 member_timeout_s: float = 300.0, replica_silence_s: float = 20.0,
+                 collective_timeout_s: float = 600.0,
                  publish_chunk_bytes: int = 4 << 20,
                  reporter: Callable[[TrainerJob, int, str, int], None] | None = None) -> None:
         # replica id -> False once its process is known dead (the servicer wires the replicas it spawned)
@@ -109,6 +110,7 @@ class CoreTrainer:
         self.store_host = advertise_host or store_host
         self.store_port = int(self.store.port)
         self.member_timeout_s = member_timeout_s
+        self.replica_silence_s = replica_silence_s
         self.collective_timeout_s = collective_timeout_s
         self.publish_chunk_bytes = publish_chunk_bytes
         self.reporter = reporter
@@ -141,6 +143,7 @@ class CoreTrainer:
                     log.info("resumed", job_id=job.job_id, path=str(path), step=step, version=version)
             self.membership = StepMembership(job_id=job.job_id, store_host=self.store_host,
                                              store_port=self.store_port, member_timeout_s=self.member_timeout_s,
+                                             silence_s=self.replica_silence_s,
                                              is_alive=lambda rid: self.replica_alive(rid))
             # The source gets its own store connection: a TCPStore client serializes requests, and
             # a consumer blocked in store.wait must not block the step's process-group setup.

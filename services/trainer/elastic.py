@@ -18,8 +18,11 @@ the core applies the optimizer and publishes version s+1.
 
 ``StepMembership`` lifecycle per step: OPEN (joins land in this step) -> SEALED (world fixed;
 joins land in the next step) -> next ``open_step``. A member that leaves before the seal is
-dropped (it hands its gradient sum to the core first, see ``Learner.add_grads``); a member that
-does not report within ``member_timeout_s`` of the core being done is evicted.
+dropped (it hands its gradient sum to the core first, see ``Learner.add_grads``). A member whose
+process is gone is evicted once the core is done: at once when the core knows its process died
+(one it started), after ``silence_s`` without a ReplicaAlive heartbeat (any replica, on any host:
+every replica heartbeats every ``heartbeat_interval_s`` from a thread of its own), and in any case
+when it has not reported within ``member_timeout_s`` of the core being done.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class JoinTicket:
     store_host: str
     store_port: int
     group_prefix: str
+    heartbeat_interval_s: float = 0.0  # call ReplicaAlive this often (0: the core expects none)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class _Member:
     cell_id: str
     step: int
     joined_at: float
+    heard_at: float = 0.0  # last sign of life (join, ReplicaAlive), monotonic
     done: bool = False
     left: bool = False
     evicted: bool = False
@@ -89,8 +94,12 @@ class StepMembership:
     """Thread-safe registry of the replicas taking part in each step (lives in the core)."""
 
     def __init__(self, *, job_id: str, store_host: str, store_port: int, member_timeout_s: float = 300.0,
-                 is_alive: Callable[[str], bool | None] = lambda _rid: None) -> None:
+                 silence_s: float = 20.0, is_alive: Callable[[str], bool | None] = lambda _rid: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.job_id = job_id
+        # a member not heard from this long is gone (0: never judged by silence)
+        self.silence_s = silence_s
+        self.clock = clock
         # replica id -> False once its process is known dead (True / None: alive / not known here)
         self.is_alive = is_alive
         self.store_host = store_host
@@ -126,10 +135,11 @@ class StepMembership:
             while True:
                 for m in state.members.values():
                     # its process died (also after reporting done: it cannot all-reduce): no waiting
-                    if not (m.left or m.evicted) and self.is_alive(m.replica_id) is False:
+                    gone = None if (m.left or m.evicted) else self._gone(m)
+                    if gone:
                         m.evicted = True
                         log.warning("replica evicted", replica_id=m.replica_id, cell_id=m.cell_id, step=step,
-                                    reason="its process exited")
+                                    reason=gone)
                 pending = [m for m in state.members.values() if not (m.done or m.left or m.evicted)]
                 if not pending:
                     break
@@ -164,7 +174,8 @@ class StepMembership:
                 raise FailedPrecondition("no step is running yet; start a job first")
             if replica_id in state.members and not (state.members[replica_id].left or state.sealed):
                 return self._ticket(state.step, state.version)  # idempotent retry
-            member = _Member(replica_id=replica_id, cell_id=cell_id, step=state.step, joined_at=time.monotonic())
+            now = self.clock()
+            member = _Member(replica_id=replica_id, cell_id=cell_id, step=state.step, joined_at=now, heard_at=now)
             if state.sealed:
                 member.step = state.step + 1
                 self._next[replica_id] = member
@@ -173,6 +184,15 @@ class StepMembership:
             state.members[replica_id] = member
             log.info("replica joined", replica_id=replica_id, cell_id=cell_id, step=state.step)
             return self._ticket(state.step, state.version)
+
+    def heard(self, replica_id: str) -> bool:
+        """A ReplicaAlive heartbeat of ``replica_id``; False when it is in no open or next step."""
+        with self._cv:
+            m = self._member(replica_id)
+            if m is None:
+                return False
+            m.heard_at = self.clock()
+            return True
 
     def done(self, replica_id: str, step: int, timeout_s: float | None = None) -> Seal:
         """A replica consumed its share of ``step``: block until the world is sealed, return its rank."""
@@ -264,9 +284,18 @@ class StepMembership:
                                      f"({None if s is None else s.step})")
         return s
 
+    def _gone(self, m: _Member) -> str:
+        """Why member ``m`` can no longer take part ("" while it may)."""
+        if self.is_alive(m.replica_id) is False:
+            return "its process exited"
+        silent = self.clock() - m.heard_at
+        if self.silence_s and silent > self.silence_s:
+            return f"no heartbeat for {silent:.1f}s (its process or host is gone)"
+        return ""
+
     def _ticket(self, step: int, version: int) -> JoinTicket:
         return JoinTicket(step=step, weight_version=version, store_host=self.store_host, store_port=self.store_port,
-                          group_prefix=self.prefix(step))
+                          group_prefix=self.prefix(step), heartbeat_interval_s=self.silence_s / 8)
 
 
 # --- the collective ------------------------------------------------------------------------------

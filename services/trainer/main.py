@@ -37,7 +37,8 @@ def build_trainer(cfg: TrainerConfig) -> Built:
     advertise = advertised_host(cfg.store_host, cfg.advertise_host,
                                 towards=cfg.trajectory_address or cfg.redis_url)
     core = CoreTrainer(store_host=cfg.store_host, store_port=cfg.store_port, advertise_host=advertise,
-                       member_timeout_s=cfg.member_timeout_s, collective_timeout_s=cfg.collective_timeout_s,
+                       member_timeout_s=cfg.member_timeout_s, replica_silence_s=cfg.replica_silence_s,
+                       collective_timeout_s=cfg.collective_timeout_s,
                        publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
     servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
                                chunk_bytes=cfg.publish_chunk_mb << 20)

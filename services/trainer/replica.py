@@ -11,6 +11,10 @@ Loop (one iteration per step it takes part in):
     all-reduce SUM in the step's fresh process group
     released / max steps reached -> exit (the cell is free); else JoinStep again
 
+While it is a member, a thread of its own calls ReplicaAlive every ticket.heartbeat_interval_s:
+the core evicts a replica whose heartbeats stop (its process or host died) without waiting out
+member_timeout_s, wherever the replica runs.
+
 SIGTERM (the orchestrator wants the cell now): finish the current micro-batch, then hand the
 gradient sum accumulated so far to the core (HandOffGradients) - or just LeaveStep if it trained
 nothing - and exit. Once the step is sealed the replica completes the all-reduce first (the
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.errors import GyreError
 from services.common.logging import get_logger
 from services.trainer.client import TrainerClient
 from services.trainer.core import backend_for, build_learner
@@ -61,6 +66,8 @@ class Replica:
         self._learner: Learner | None = None
         self._job: TrainerJob | None = None
         self._source: BatchSource | None = None
+        self._alive_stop = threading.Event()
+        self._alive: threading.Thread | None = None
 
     def interrupt(self) -> None:
         """Give the cell back now (SIGTERM): leave at the next micro-batch boundary, also when
@@ -71,11 +78,29 @@ class Replica:
             interrupt()
 
     def run(self) -> ReplicaStats:
+        try:
+            return self._run()
+        finally:
+            self._alive_stop.set()
+
+    def _heartbeat(self, interval_s: float) -> None:
+        """Tell the core this replica lives, every ``interval_s``, until ``run`` returns."""
+        while not self._alive_stop.wait(interval_s):
+            try:
+                self.core.replica_alive(self.replica_id, timeout_s=max(interval_s, 1.0))
+            except GyreError as exc:  # the core restarting: the next one may get through
+                self.log.debug("heartbeat failed", error=str(exc))
+
+    def _run(self) -> ReplicaStats:
         t0 = time.perf_counter()
         held_version = -1
         while not self.stop_event.is_set():
             ticket, job, backend = self.core.join_step(self.replica_id, self.cell_id)
             log = self.log.bind(job_id=job.job_id, step=ticket.step)
+            if self._alive is None and ticket.heartbeat_interval_s > 0:
+                self._alive = threading.Thread(target=self._heartbeat, args=(ticket.heartbeat_interval_s,),
+                                               name="replica-alive", daemon=True)
+                self._alive.start()
             if self._learner is None or self._job is None or self._job.job_id != job.job_id:
                 self._learner = build_learner(job, self.device)
                 self._job = job

@@ -101,7 +101,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.JoinStepResponse(
             step=ticket.step, weight_version=ticket.weight_version, store_host=ticket.store_host,
             store_port=ticket.store_port, group_prefix=ticket.group_prefix, job=wire.job_to_proto(job),
-            backend=backend_for(self.core.model().parameters().__next__().device))
+            backend=backend_for(self.core.model().parameters().__next__().device),
+            heartbeat_interval_s=ticket.heartbeat_interval_s)
+
+    def ReplicaAlive(self, request: trainer_pb2.ReplicaAliveRequest, context: Any) -> trainer_pb2.ReplicaAliveResponse:
+        if not request.replica_id:
+            raise InvalidArgument("ReplicaAlive needs replica_id")
+        return trainer_pb2.ReplicaAliveResponse(member=self._membership().heard(request.replica_id))
 
     def AwaitReduce(self, request: trainer_pb2.AwaitReduceRequest, context: Any) -> trainer_pb2.AwaitReduceResponse:
         if not request.replica_id or request.step < 0:

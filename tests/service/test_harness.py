@@ -74,16 +74,22 @@ def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: di
                     tasks=TaskSource(generator="xlong-v1", params=(("num_modules", "4"), ("min_ops", "2"))))
     sched.client.submit_job(spec)
     # The orchestrator enqueues the step's executions (no cells are registered: no switches).
-    assert Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    orch = Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600)
+    assert orch.tick()
+    # this worker id's predecessor died holding a lease (its TTL is 30 s): the harness gives it up first
+    dead = sched.client.lease("hj-harness", job_id="hj")
+    assert dead is not None
     cfg = HarnessConfig(scheduler=sched.server.address, gateway=gw.address, reward=stack["reward"], concurrency=2,
-                        job_id="hj", lease_wait_s=0.5, max_executions=4, context_limit_tokens=96,
+                        job_id="hj", worker_id="hj-harness", lease_wait_s=0.5, max_executions=4, context_limit_tokens=96,
                         delegate_every=2, fix_turns=1, retries=1, temperature=1.0, log_json=False)
     from services.rollout.client import GatewayClient
     from services.scheduler.client import SchedulerClient
 
     harness = Harness(cfg, scheduler=SchedulerClient(cfg.scheduler), gateway=GatewayClient(cfg.gateway),
                       reward=RewardClient(cfg.reward), codec=Codec.from_dir(model_dir)).start()
+    orch.tick()  # the reaper re-queues the released lease
     wait_until(lambda: harness.done >= 4, timeout_s=180, what="4 executions")
+    assert sched.client.get_execution(dead.execution_id).attempt == 2  # ran again at once, not after its TTL
     harness.stop()
     harness.join(30)
 

@@ -264,3 +264,30 @@ def test_a_retried_lease_request_gets_the_same_lease(sched: InProcess) -> None:
     assert s.client.lease("w1", request_id="req-1") is None  # that lease ended: a fresh lease (none left)
     with pytest.raises(InvalidArgument, match="request_id"):
         s.client.lease("w1", request_id="r" * 129)
+
+
+def test_a_restarted_worker_releases_its_predecessors_leases(redis_url: str) -> None:
+    """A worker restarted under a stable id gives up what its dead predecessor held: those
+    executions run again now, not after their lease TTL (300 s here); others' leases stay."""
+    with in_process_scheduler(redis_url, lease_ttl_s=300.0) as s:
+        s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=3))
+        orch = orchestrator(s)
+        orch.tick()
+        held = [s.client.lease("host-a:harness") for _ in range(2)]
+        other = s.client.lease("host-b:harness")
+        assert all(held) and other is not None
+        assert s.client.release_worker("nobody") == []
+        released = s.client.release_worker("host-a:harness", reason="restarted")
+        assert sorted(released) == sorted(x.execution_id for x in held if x)
+        orch.tick()  # the reaper re-queues them
+        assert [s.client.get_execution(e).state for e in sorted(released)] == [ExecState.QUEUED] * 2
+        assert s.client.get_execution(other.execution_id).state is ExecState.LEASED
+        again = [s.client.lease("host-a:harness") for _ in range(2)]
+        assert sorted(x.execution_id for x in again if x) == sorted(released)
+        assert all(x is not None and x.attempt == 2 for x in again)
+        first = held[0]
+        assert first is not None
+        with pytest.raises(FailedPrecondition, match="not the current one"):  # its token was the dead process's
+            s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
+        with pytest.raises(InvalidArgument, match="worker_id is required"):
+            s.client.release_worker("")

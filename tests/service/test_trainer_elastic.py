@@ -15,6 +15,12 @@ replica *processes* (``python -m services.trainer.main --replica``) join and lea
             gone, evicts it at once and trains again the
             micro-batches A had taken (their gradients
             died with it)
+    step 4: replica C (started by "its cell agent", on  world 1 (+ C's batch
+            what could be another host: the core knows     retrained by the core)
+            nothing of its process) takes a batch and is
+            SIGKILLed: its heartbeats stop, the core
+            evicts it after replica_silence_s (6 s), not
+            member_timeout_s (120 s)
 
 The store-backed synthetic queue's hold/release keys make the join points deterministic. The
 weights and metrics after every step must equal (fp32 tolerance) a single-process run of the
@@ -46,7 +52,7 @@ from services.trainer.spawn import ReplicaProcesses
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "synthetic:seed=3,executions=12,tokens=45,depth=1,branching=2,context=6,generated=6,root=10"
-STEPS = 4
+STEPS = 5
 
 
 def _job(job_id: str) -> TrainerJob:
@@ -73,12 +79,21 @@ def _count(store, key: str) -> int:
     return int(store.add(key, 0))
 
 
-@pytest.mark.timeout(240)
+def _replica_process(cell_id: str, replica_id: str, core: str, logs: Path) -> subprocess.Popen[bytes]:
+    """A replica as a cell agent starts it (the core does not know its process)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.trainer.main", "--replica", "--core", core, "--cell-id", cell_id,
+         "--replica-id", replica_id, "--replica-threads", "1", "--log-json", "false"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(logs / f"{replica_id}.log", "wb"),
+        stderr=subprocess.STDOUT)
+
+
+@pytest.mark.timeout(300)
 def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     ref_weights, ref_metrics = _reference()
 
-    core = CoreTrainer(member_timeout_s=120.0)
+    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
     core.weights.keep = STEPS + 1
     servicer = TrainerServicer(core)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
@@ -93,7 +108,9 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
     store.set(f"{prefix}/hold/1", "0")
     store.set(f"{prefix}/hold/2", "2")
     store.set(f"{prefix}/hold/3", "3")
+    store.set(f"{prefix}/hold/4", "0")
     b_proc: subprocess.Popen[bytes] | None = None
+    c_proc: subprocess.Popen[bytes] | None = None
     try:
         client.start_job(_job("elastic"))
         assert client.wait_step(0, timeout_s=60).finished
@@ -109,11 +126,7 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
 
         # Step 2: core and A take 2 batches and block; B joins mid-step.
         _wait(lambda: _count(store, f"{prefix}/waiting/2") >= 2, "core and A to block in step 2")
-        b_proc = subprocess.Popen(
-            [sys.executable, "-m", "services.trainer.main", "--replica", "--core", address, "--cell-id", "cell-b",
-             "--replica-id", "rep-b", "--replica-threads", "1", "--log-json", "false"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(tmp_path / "b.log", "wb"),
-            stderr=subprocess.STDOUT)
+        b_proc = _replica_process("cell-b", "rep-b", address, tmp_path)
         hosted = client.add_replica("cell-b", switch_id="sw2", wait_s=60, hosted=True)
         assert (hosted.replica_id, hosted.step) == ("rep-b", 2)
         with pytest.raises(FailedPrecondition, match="no replica of cell 'cell-z' joined"):
@@ -127,7 +140,9 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         # Step 3: B is told to go mid-step (it hands its gradient sum off and exits); A dies.
         _wait(lambda: _count(store, f"{prefix}/waiting/3") >= 3, "three consumers to block in step 3")
         a_replica = replicas.get("cell-a")
-        assert _count(store, f"{prefix}/acked/3/{a_replica.replica_id}") >= 1  # A holds a gradient
+        # what A took: trained (a gradient that dies with it) and the batch it is blocked on
+        a_took = [x for x in store.get(f"{prefix}/taken/3/{a_replica.replica_id}").decode().split(",") if x]
+        assert a_took
         a_replica.proc.kill()
         assert replicas.wait_exit("cell-a", 60)
         b_proc.send_signal(signal.SIGTERM)
@@ -135,11 +150,23 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         store.set(f"{prefix}/release/3", "1")
         r3 = client.wait_step(3, timeout_s=60)  # A's death is seen at once: no member_timeout_s wait
         assert r3.finished and r3.metrics["world_size"] == 1 and r3.metrics["handed_off"] == 1
-        assert r3.metrics["evicted"] == 1 and r3.metrics["retrained"] >= 2  # A's acked + its held batch
+        assert r3.metrics["evicted"] == 1 and r3.metrics["retrained"] == len(a_took)
         assert _count(store, f"{prefix}/acked/3/rep-b") >= 1
         assert b_proc.wait(timeout=60) == 0
 
-        for step, (ref_m, report) in enumerate(zip(ref_metrics, (None, r1, r2, r3))):
+        # Step 4: C joins, takes a batch and dies; only its silence tells the core.
+        _wait(lambda: _count(store, f"{prefix}/waiting/4") >= 1, "core to block in step 4")
+        c_proc = _replica_process("cell-c", "rep-c", address, tmp_path)
+        assert client.add_replica("cell-c", switch_id="sw4", wait_s=60, hosted=True).step == 4
+        _wait(lambda: _count(store, f"{prefix}/waiting/4") >= 2, "replica C to take a batch in step 4")
+        c_proc.kill()
+        c_proc.wait(timeout=30)
+        store.set(f"{prefix}/release/4", "1")
+        r4 = client.wait_step(4, timeout_s=60)  # within member_timeout_s (120 s): C's silence evicted it
+        assert r4.finished and r4.metrics["world_size"] == 1
+        assert r4.metrics["evicted"] == 1 and r4.metrics["retrained"] == 1  # the batch C was blocked on
+
+        for step, (ref_m, report) in enumerate(zip(ref_metrics, (None, r1, r2, r3, r4))):
             got_m = core.wait_step(step, 1).metrics  # type: ignore[union-attr]
             for key in ("loss", "pg_loss", "entropy", "clip_frac", "tokens", "micro_batches", "weight_sum"):
                 assert got_m[key] == pytest.approx(ref_m[key], rel=1e-5, abs=1e-6), (step, key)
@@ -148,8 +175,9 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
             for name, ref_t in ref_weights[step].items():
                 torch.testing.assert_close(got_w[name], ref_t, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
     finally:
-        if b_proc is not None and b_proc.poll() is None:
-            b_proc.kill()
+        for proc in (b_proc, c_proc):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
         replicas.stop_all()
         client.close()
         core.stop()

@@ -140,6 +140,8 @@ def test_bad_requests_get_precise_statuses(trainer: Trainer) -> None:
     assert c.status().phase == "idle"
     with pytest.raises(errors.FailedPrecondition, match="no job"):
         c.join_step("r1", "cell-1")
+    with pytest.raises(errors.FailedPrecondition, match="no job"):
+        c.replica_alive("r1")
     with pytest.raises(errors.InvalidArgument, match="job_id"):
         c.start_job(trainer_pb2.TrainerJobSpec())
     with pytest.raises(errors.InvalidArgument, match="source"):
@@ -157,6 +159,9 @@ def test_bad_requests_get_precise_statuses(trainer: Trainer) -> None:
         c.join_step("", "cell-1")
     with pytest.raises(errors.NotFound, match="not a member"):
         c.await_reduce("stranger", 2)
+    with pytest.raises(errors.InvalidArgument, match="replica_id"):
+        c.replica_alive("")
+    assert c.replica_alive("stranger") is False  # in no step: the answer says so
     with pytest.raises(errors.NotFound, match="no longer kept"):
         c.get_weights(0)
     with pytest.raises(errors.DeadlineExceeded, match="not published"):

@@ -84,6 +84,26 @@ def test_silent_member_is_evicted() -> None:
         m.done("ghost", 0)
 
 
+def test_member_without_heartbeats_is_gone_before_member_timeout() -> None:
+    now = [100.0]
+    m = StepMembership(job_id="j", store_host="h", store_port=1, member_timeout_s=3600.0, silence_s=20.0,
+                       clock=lambda: now[0])
+    m.open_step(0, 0)
+    assert m.join("live", "cell-l").heartbeat_interval_s == 2.5
+    m.join("dead", "cell-d")  # its host went away: no heartbeat after the join
+    assert not m.heard("never-joined")
+    now[0] += 25.0
+    assert m.heard("live")
+    out: dict[str, object] = {}
+    t = _done_async(m, "live", 0, out)
+    while not any(x["done"] for x in m.members()):
+        time.sleep(0.005)
+    seal = m.core_done(0)  # "dead" is silent past 20 s: evicted now, not after member_timeout_s
+    t.join(10)
+    assert seal.world_size == 2 and isinstance(out["live"], Seal) and out["live"].rank == 1
+    assert m.evicted(0) == ["dead"]
+
+
 def test_release_flag_reaches_the_replica() -> None:
     m = _membership()
     m.join("a", "cell-a")
