@@ -7,6 +7,9 @@
     gyre watch JOB [--json]                   live progress until the job ends (--json: one event per line)
     gyre jobs                                 every job, its state and progress
     gyre cancel JOB [--reason TEXT]
+    gyre cells [--json]                       every cell: role, liveness, load, cordon
+    gyre cordon CELL [--reason TEXT]          take a cell out of rollout (its requests migrate; it trains)
+    gyre uncordon CELL                        give it back to the policy
     gyre report JOB [--out DIR]               report.html, figures, metrics.jsonl of a job
     gyre down                                 stop everything gracefully (SIGTERM, then SIGKILL)
     gyre run [--job FILE] [--config FILE] [...]   up + submit + watch + report + down (`gyre run --help`)
@@ -132,6 +135,35 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cells(args: argparse.Namespace) -> int:
+    with _scheduler(args) as scheduler:
+        cells = scheduler.list_cells()
+    rows = [{"cell_id": i.cell.cell_id, "role": i.cell.role.value, "core": i.cell.is_core, "alive": i.alive,
+             "heartbeat_age_s": round(i.heartbeat_age_s, 1), "inflight": i.cell.inflight,
+             "weight_version": i.cell.weight_version, "cordoned": i.cell.cordoned,
+             "cordon_reason": i.cell.cordon_reason} for i in cells]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'cell':<12} {'role':<10} {'alive':<6} {'inflight':>8} {'version':>8}  cordon")
+    for r in rows:
+        role = f"{r['role']}{'*' if r['core'] else ''}"
+        print(f"{r['cell_id']:<12} {role:<10} {'yes' if r['alive'] else 'NO':<6} {r['inflight']:>8} "
+              f"{r['weight_version']:>8}  {r['cordon_reason']}")
+    return 0
+
+
+def cmd_cordon(args: argparse.Namespace) -> int:
+    with _scheduler(args) as scheduler:
+        cell = scheduler.cordon_cell(args.cell, cordoned=args.cmd == "cordon", reason=args.reason)
+    if cell.cordoned:
+        print(f"{cell.cell_id}: cordoned ({cell.cordon_reason}); it is {cell.role.value} now and takes no rollout "
+              f"work: a running job's policy drains it to training")
+    else:
+        print(f"{cell.cell_id}: uncordoned; it is {cell.role.value} and the policy may move it again")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from services.jobwatch import JobView, write_job_report
     from services.trainer.client import TrainerClient
@@ -232,6 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("job")
     ca.add_argument("--reason", default="cancelled from the command line")
     ca.set_defaults(fn=cmd_cancel)
+    ce = sub.add_parser("cells", parents=[client], help="list cells (role, liveness, load, cordon)")
+    ce.add_argument("--json", action="store_true")
+    ce.set_defaults(fn=cmd_cells)
+    co = sub.add_parser("cordon", parents=[client], help="take a cell out of rollout (it trains instead)")
+    co.add_argument("cell")
+    co.add_argument("--reason", default="cordoned from the command line")
+    co.set_defaults(fn=cmd_cordon)
+    un = sub.add_parser("uncordon", parents=[client], help="give a cordoned cell back to the policy")
+    un.add_argument("cell")
+    un.set_defaults(fn=cmd_cordon, reason="")
     rp = sub.add_parser("report", parents=[client], help="write a job's report")
     rp.add_argument("job")
     rp.add_argument("--out", default="", help="report directory (default: reports/JOB)")

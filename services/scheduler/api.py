@@ -287,6 +287,16 @@ class SchedulerApi:
                                          kv_capacity_tokens=kv_capacity_tokens, weight_version=weight_version,
                                          reported_role=role)
 
+    def cordon_cell(self, cell_id: str, cordoned: bool, reason: str = "") -> CellRecord:
+        """Operator: keep a cell out of rollout (``cordoned``; the policy migrates its requests and
+        moves it to training) or give it back."""
+        check_id(_require(cell_id, "cell_id"), "cell_id")
+        if len(reason) > 512:
+            raise InvalidArgument("reason is longer than 512 characters")
+        cell = self.state.cordon_cell(cell_id, (reason.strip() or "cordoned by an operator") if cordoned else "")
+        log.info("cell cordoned" if cordoned else "cell uncordoned", cell_id=cell_id, reason=cell.cordon_reason)
+        return cell
+
     def deregister_cell(self, cell_id: str) -> Role:
         check_id(_require(cell_id, "cell_id"), "cell_id")
         role = self.state.deregister_cell(cell_id)

@@ -31,7 +31,8 @@ from services.scheduler.convert import (
     lease_from_proto,
     spec_to_proto,
 )
-from services.scheduler.jobs import Event, ExecState, ExecutionRecord, JobSpec, JobState, JobStatus, Lease, Role
+from services.scheduler.jobs import (CellRecord, Event, ExecState, ExecutionRecord, JobSpec, JobState, JobStatus,
+                                     Lease, Role)
 from services.scheduler.state import CompleteResult
 
 pb = scheduler_pb2
@@ -90,6 +91,12 @@ class SchedulerClient(GrpcClient):
     def list_cells(self) -> list[CellInfo]:
         res = self._call(self._sched.ListCells, pb.ListCellsRequest())
         return [CellInfo(cell_from_proto(c), c.heartbeat_age_s, c.alive) for c in res.cells]
+
+    def cordon_cell(self, cell_id: str, *, cordoned: bool = True, reason: str = "") -> CellRecord:
+        """Take ``cell_id`` out of rollout (or, ``cordoned=False``, give it back)."""
+        res = self._call(self._sched.CordonCell, pb.CordonCellRequest(cell_id=cell_id, cordoned=cordoned,
+                                                                      reason=reason))
+        return cell_from_proto(res.cell)
 
     # -- worker (harnesses)
     def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0, harness: str = "",

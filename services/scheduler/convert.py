@@ -166,7 +166,8 @@ def cell_to_proto(c: CellRecord, age_s: float = 0.0, alive: bool = True) -> sche
                 weight_version=c.weight_version, heartbeat_age_s=age_s, alive=alive,
                 reported_role=ROLE_TO_PB[c.reported_role] if c.reported_role else common_pb2.CELL_ROLE_UNSPECIFIED,
                 last_switch_s=c.last_switch_s, num_accelerators=c.num_accelerators,
-                engine_address=c.engine_address, hosts_replica=c.hosts_replica)
+                engine_address=c.engine_address, hosts_replica=c.hosts_replica, cordoned=c.cordoned,
+                cordon_reason=c.cordon_reason)
     if c.role is Role.SWITCHING and c.switch_from and c.switch_to:
         p.switch.CopyFrom(pb.CellSwitch(switch_id=c.switch_id, from_role=ROLE_TO_PB[c.switch_from],
                                         to_role=ROLE_TO_PB[c.switch_to], started_at_s=c.switch_started_s,
@@ -216,4 +217,5 @@ def cell_from_proto(p: scheduler_pb2.Cell) -> CellRecord:
         switch_id=sw.switch_id if sw else "", switch_from=ROLE_FROM_PB[sw.from_role] if sw else None,
         switch_to=ROLE_FROM_PB[sw.to_role] if sw else None, switch_started_s=sw.started_at_s if sw else 0.0,
         switch_job_id=sw.job_id if sw else "", last_switch_s=p.last_switch_s,
-        num_accelerators=p.num_accelerators, engine_address=p.engine_address, hosts_replica=p.hosts_replica)
+        num_accelerators=p.num_accelerators, engine_address=p.engine_address, hosts_replica=p.hosts_replica,
+        cordon_reason=(p.cordon_reason or "cordoned") if p.cordoned else "")

@@ -483,6 +483,11 @@ class CellRecord:
     num_accelerators: int = 1
     engine_address: str = ""  # the cell's rollout Engine (weights are published to it)
     hosts_replica: bool = False  # its agent runs the trainer replica on the cell's host
+    cordon_reason: str = ""  # non-empty: an operator cordoned it (no rollout work)
+
+    @property
+    def cordoned(self) -> bool:
+        return bool(self.cordon_reason)
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,16 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return {1, fresh}
 """
 
+# KEYS: cell   ARGV: reason ('' uncordons)
+CORDON_CELL = r"""
+local role, core = unpack(redis.call('HMGET', KEYS[1], 'role', 'is_core'))
+if not role then return -1 end
+if core == '1' then return -2 end
+if ARGV[1] == '' then redis.call('HDEL', KEYS[1], 'cordon_reason')
+else redis.call('HSET', KEYS[1], 'cordon_reason', ARGV[1]) end
+return 1
+"""
+
 # KEYS: cell   ARGV: now, inflight, kv_used, kv_capacity, weight_version, reported_role
 CELL_HEARTBEAT = r"""
 local role, sto = unpack(redis.call('HMGET', KEYS[1], 'role', 'switch_to'))

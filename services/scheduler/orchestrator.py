@@ -283,7 +283,8 @@ class Orchestrator:
             now_s=self.state.clock(), step=job.current_step, weight_version=job.weight_version,
             cells=tuple(CellView(cell_id=c.cell_id, role=c.role, is_core=c.is_core, inflight=c.inflight,
                                  kv_used_tokens=c.kv_used_tokens, kv_capacity_tokens=c.kv_capacity_tokens,
-                                 switching_to=c.switch_to if c.role is Role.SWITCHING else None)
+                                 switching_to=c.switch_to if c.role is Role.SWITCHING else None,
+                                 cordoned=c.cordoned)
                         for c in cells),
             queued=job.queued, running=job.running, finished_in_step=job.done_in_step, step_size=spec.step_size,
             train_ready=job.groups_done_in_step > 0,

@@ -35,6 +35,7 @@ refuses to drop a request it really still holds). Admission (which execution may
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class CellView:
     kv_used_tokens: int
     kv_capacity_tokens: int
     switching_to: Role | None = None
+    cordoned: bool = False  # an operator keeps it out of rollout (drained, then it trains)
 
     def __post_init__(self) -> None:
         if self.inflight < 0 or self.kv_used_tokens < 0 or self.kv_capacity_tokens < 0:
@@ -217,15 +219,51 @@ def execution_kv_tokens(view: ClusterView, params: PolicyParams) -> float:
 
 
 def decide(view: ClusterView, params: PolicyParams) -> list[Action]:
-    """Role switches to make now (possibly none). Pure: same view and params, same answer."""
+    """Role switches to make now (possibly none). Pure: same view and params, same answer.
+
+    Cordoned cells are not the mode's to move: it decides over the others, and a cordoned cell in
+    ROLLOUT is drained to TRAIN (its requests migrating to rollout cells with room; while they
+    lack room it stays, and is tried again on the next tick)."""
+    cordoned = [c for c in view.cells if c.cordoned]
+    mode_view = dataclasses.replace(view, cells=tuple(c for c in view.cells if not c.cordoned)) if cordoned else view
     if params.mode is Mode.COLOCATE:
-        actions = _decide_colocate(view)
+        actions = _decide_colocate(mode_view)
     elif params.mode is Mode.ASYNC:
-        actions = _decide_async(view, params)
+        actions = _decide_async(mode_view, params)
     else:
-        actions = _decide_elastic(view, params)
-    check_actions(view, actions, execution_kv_tokens(view, params))
+        actions = _decide_elastic(mode_view, params)
+    kv_exec = execution_kv_tokens(view, params)
+    if cordoned:
+        actions += _drain_cordoned(view, cordoned, actions, kv_exec)
+    check_actions(view, actions, kv_exec)
     return actions
+
+
+def _drain_cordoned(view: ClusterView, cordoned: list[CellView], actions: list[Action],
+                    kv_exec: float) -> list[Action]:
+    """TRAIN switches of cordoned ROLLOUT cells whose in-flight executions fit elsewhere."""
+    busy = {a.cell_id for a in actions} | {t for a in actions for t in a.migrate_to}
+    room = {c.cell_id: free_slots(c, kv_exec) for c in view.cells
+            if c.role is Role.ROLLOUT and not c.cordoned and c.cell_id not in busy}
+    out = []
+    for cell in cordoned:
+        if cell.role is not Role.ROLLOUT:
+            continue
+        need = cell.inflight if view.running > 0 else 0  # nothing of the job runs: nothing to move
+        targets = []
+        for target in sorted(room, key=lambda t: -room[t]):
+            if need <= 0:
+                break
+            take = min(room[target], need)
+            if take:
+                targets.append(target)
+                need -= take
+        if need > 0:
+            continue  # no room for its work now: the next tick tries again
+        for target in targets:
+            room.pop(target)  # a receiver takes one drained cell's work per pass
+        out.append(_switch(cell, Role.TRAIN, "cordoned: drained of rollout work", migrate_to=tuple(targets)))
+    return out
 
 
 def _switch(cell: CellView, to: Role, reason: str, migrate_to: tuple[str, ...] = ()) -> Action:

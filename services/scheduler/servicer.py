@@ -65,6 +65,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def ListCells(self, request: pb.ListCellsRequest, context: grpc.ServicerContext) -> pb.ListCellsResponse:
         return pb.ListCellsResponse(cells=[_cell_info(c) for c in self.api.list_cells()])
 
+    def CordonCell(self, request: pb.CordonCellRequest, context: grpc.ServicerContext) -> pb.CordonCellResponse:
+        cell = self.api.cordon_cell(request.cell_id, request.cordoned, request.reason)
+        return pb.CordonCellResponse(cell=cell_to_proto(cell))
+
     def GetExecution(self, request: pb.GetExecutionRequest,
                      context: grpc.ServicerContext) -> pb.GetExecutionResponse:
         return pb.GetExecutionResponse(execution=execution_to_proto(self.api.get_execution(request.execution_id)))

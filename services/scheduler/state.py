@@ -168,7 +168,7 @@ class SchedulerState:
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in (
             "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "ENQUEUE_EVAL", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES", "RELEASE_WORKER",
             "CANCEL_JOB", "REPORT_TRAINING", "REGISTER_CELL", "CELL_HEARTBEAT", "DEREGISTER_CELL",
-            "BEGIN_SWITCH", "END_SWITCH", "JOB_SNAPSHOT", "ACQUIRE_LEADER", "RELEASE_LEADER")}
+            "BEGIN_SWITCH", "END_SWITCH", "CORDON_CELL", "JOB_SNAPSHOT", "ACQUIRE_LEADER", "RELEASE_LEADER")}
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -516,6 +516,15 @@ class SchedulerState:
         to = _s(res[2])
         return Role(_s(res[1])), (Role(to) if to else None)
 
+    def cordon_cell(self, cell_id: str, reason: str) -> CellRecord:
+        """Cordon (``reason`` non-empty) or uncordon (``""``) a registered cell."""
+        res = self._run("CORDON_CELL", [self.keys.cell(cell_id)], [reason])
+        if res == -1:
+            raise NotFound(f"cell {cell_id!r} is not registered")
+        if res == -2:
+            raise FailedPrecondition(f"cell {cell_id!r} is the core cell: it always trains and takes no rollout work")
+        return self.get_cell(cell_id)
+
     def deregister_cell(self, cell_id: str) -> Role:
         res = self._run("DEREGISTER_CELL", [self.keys.cell(cell_id), self.keys.cells, self.keys.switches], [cell_id])
         if res[0] == -1:
@@ -626,5 +635,5 @@ def _cell(cell_id: str, h: dict[Any, Any]) -> CellRecord:
         switch_migrate_to=tuple(t for t in _s(g("switch_migrate_to")).split(",") if t),
         last_switch_s=_i(g("last_switch_ms")) / 1000,
         num_accelerators=_i(g("num_accelerators"), 1), engine_address=_s(g("engine_address")),
-        hosts_replica=bool(_i(g("hosts_replica"))),
+        hosts_replica=bool(_i(g("hosts_replica"))), cordon_reason=_s(g("cordon_reason")),
     )

@@ -5,7 +5,10 @@ with its own command on its own address; the job goes on and completes. Checked 
 job completes with every step published once and in order (final weight version = steps), every
 execution of every step ended exactly once, no TITO record of the job was refused by trajectory
 (an execution leased again after a crash starts over: its records supersede the earlier
-attempt's), and the killed process was restarted and serves again. A joined trainer replica (a freed cell's process, started by the trainer core, not
+attempt's), and the killed process was restarted and serves again: the restarted cell agent's cell switches
+again while the job runs (`gyre cordon` of it, or of the other cell, makes the policy move it),
+the restarted harness gave up its predecessor's leases at once, the restarted scheduler took its
+own leadership back. A joined trainer replica (a freed cell's process, started by the trainer core, not
 supervised) is evicted at once and the core trains again the micro-batches it had taken, so the
 step's update is whole (tests/service/test_trainer_elastic.py checks it equals a single process's).
 Everything goes through the `gyre` command and the scheduler's API.
@@ -112,6 +115,41 @@ def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, in
     raise AssertionError("the job ended before any trainer replica joined a step")
 
 
+def _restarted(data: Path, victim: str, before: int, timeout_s: float = 180.0) -> tuple[bool, dict]:
+    """(whether the supervisor has ``victim`` running again under a new pid, and serving; status)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = json.loads(gyre(data, "status", "--json").stdout)
+        if victim == "redis":
+            back = _pid(data, "redis") != before
+        else:
+            svc = status["services"][victim]
+            back = svc["pid"] != before and svc["restarts"] >= 1 and svc["alive"] and (svc["serving"] or not svc["address"])
+        if back or time.monotonic() > deadline:
+            return back, status
+        time.sleep(0.5)
+
+
+def _cells(data: Path) -> dict[str, dict]:
+    return {c["cell_id"]: c for c in json.loads(gyre(data, "cells", "--json").stdout)}
+
+
+def _switches_again(data: Path, before: int) -> None:
+    """Once cell-1's agent is back, make the running job's policy switch cell-1, whatever role it
+    holds: rolling out, it is cordoned (drained to training); training, the other cell is cordoned
+    (cell-1 must come back to roll out). Waits until the registry shows cell-1 in its new role."""
+    assert _restarted(data, "cell-1", before)[0]
+    deadline = time.monotonic() + 120
+    while (role := _cells(data)["cell-1"]["role"]) == "switching":  # a switch from before the kill
+        assert time.monotonic() < deadline, "cell-1 stays mid-switch"
+        time.sleep(0.2)
+    cordon, target = ("cell-1", "train") if role == "rollout" else ("cell-2", "rollout")
+    gyre(data, "cordon", cordon, "--reason", "crash test: switch cell-1 again")
+    while _cells(data)["cell-1"]["role"] != target:
+        assert time.monotonic() < deadline, f"cell-1 did not switch from {role} to {target}"
+        time.sleep(0.2)
+
+
 # when to kill: "leased" once executions of the first step run, "trained" right after step 0 is
 # published, "joined" once a replica (a freed cell's trainer process) takes part in a step
 VICTIMS = [("engine-1", "leased"), ("cell-1", "leased"), ("gateway", "leased"), ("reward", "leased"),
@@ -124,7 +162,8 @@ VICTIMS = [("engine-1", "leased"), ("cell-1", "leased"), ("gateway", "leased"), 
 def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, moment: str) -> None:
     # 8 executions a step give the elastic policy a tail to move a cell to training in (4 do not),
     # and a replica takes seconds to start: more steps, so that it joins one before the job ends
-    groups, steps = (4, 6) if moment == "joined" else (2, 3)
+    # (the cell's job is longer too: it must still run while the restarted cell switches)
+    groups, steps = {"joined": (4, 6)}.get(moment, (4, 8) if victim == "cell-1" else (2, 3))
     job_id = gyre(stack, "submit", str(REPO / "deploy" / "config" / "job.toml"), *JOB,
                   "--groups_per_step", str(groups), "--num_steps", str(steps)).stdout.strip().splitlines()[-1]
     before = _pid(stack, victim) if victim != "replica" else 0
@@ -144,11 +183,16 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         if moment == "joined":
             replica_id, before = _joined_replica(stack, lambda: watch.poll() is not None)
         os.kill(before, signal.SIGKILL)
+        if victim == "cell-1":
+            _switches_again(stack, before)
         events += [json.loads(line) for line in watch.stdout]
         assert watch.wait(timeout=700) == 0, events[-3:]
     finally:
         if watch.poll() is None:
             watch.kill()
+        if victim == "cell-1":
+            for cell in ("cell-1", "cell-2"):
+                gyre(stack, "uncordon", cell)
     last = events[-1]
     assert last["kind"] == "end" and last["state"] == "completed" and last["weight_version"] == steps, last
     assert [int(e["step"]) for e in events if e["kind"] == "step_trained"] == list(range(steps))
@@ -169,16 +213,16 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         assert _pid_of_replica(replica_id) is None
         return
     # the job may end before the supervisor has the process serving again (a model load): wait for that
-    deadline = time.monotonic() + 180
-    while True:
-        status = json.loads(gyre(stack, "status", "--json").stdout)
-        if victim == "redis":
-            back = _pid(stack, "redis") != before
-        else:
-            svc = status["services"][victim]
-            back = svc["pid"] != before and svc["restarts"] >= 1 and svc["alive"] and (svc["serving"] or not svc["address"])
-        if back or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    back, status = _restarted(stack, victim, before)
     assert back, status
     assert status["failed"] == {}
+    scheduler_log = [json.loads(line) for line in (stack / "logs" / "scheduler.log").read_text(errors="replace")
+                     .splitlines() if line.startswith("{")]
+    if victim == "cell-1":
+        assert not [c for c in json.loads(gyre(stack, "cells", "--json").stdout) if c["cordoned"]]
+    if victim == "harness":  # the restarted harness (same worker id) gave up what its predecessor held
+        released = [r for r in scheduler_log if r.get("event") == "worker leases released"]
+        assert released and any(job_id in e for r in released for e in r["executions"]), released
+    if victim == "scheduler":  # the restarted scheduler is the same instance: it led again without a lock wait
+        leading = [r["instance_id"] for r in scheduler_log if r.get("event") == "leading"]
+        assert len(leading) >= 2 and len(set(leading)) == 1, leading

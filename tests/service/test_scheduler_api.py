@@ -204,6 +204,14 @@ def test_cells_register_heartbeat_list_deregister(sched: InProcess) -> None:
                             kv_capacity_tokens=4096) == (Role.ROLLOUT, None)
     cells = {i.cell.cell_id: i for i in c.list_cells()}
     assert cells["c1"].cell.inflight == 2 and cells["c1"].alive and cells["core"].cell.is_core
+    cordoned = c.cordon_cell("c1", reason="host maintenance")
+    assert cordoned.cordoned and cordoned.cordon_reason == "host maintenance"
+    # its agent restarting (registering again) keeps the operator's cordon
+    assert not c.register_cell(cell_id="c1", address="127.0.0.1:3", role=Role.ROLLOUT, kv_capacity_tokens=4096)
+    assert {i.cell.cell_id: i.cell.cordon_reason for i in c.list_cells()} == {"core": "", "c1": "host maintenance"}
+    assert not c.cordon_cell("c1", cordoned=False).cordoned
+    with pytest.raises(FailedPrecondition, match="core cell"):
+        c.cordon_cell("core")
     assert c.deregister_cell("c1") is Role.ROLLOUT
     with pytest.raises(NotFound, match="RegisterCell"):
         c.cell_heartbeat("c1", role=Role.ROLLOUT)

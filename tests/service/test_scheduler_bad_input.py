@@ -224,6 +224,13 @@ CASES: list[Case] = [
      C.INVALID_ARGUMENT, ">= 0"),
     ("cell heartbeat/switching", lambda s, i: s.cells.CellHeartbeat(pb.CellHeartbeatRequest(
         cell_id="sw", role=common_pb2.CELL_ROLE_SWITCHING)), C.INVALID_ARGUMENT, "not switching"),
+    ("cordon/no id", lambda s, i: s.sched.CordonCell(pb.CordonCellRequest(cordoned=True)), C.INVALID_ARGUMENT,
+     "cell_id is required"),
+    ("cordon/unknown", lambda s, i: s.sched.CordonCell(pb.CordonCellRequest(cell_id="zz", cordoned=True)),
+     C.NOT_FOUND, "not registered"),
+    ("cordon/long reason", lambda s, i: s.sched.CordonCell(pb.CordonCellRequest(cell_id="sw", cordoned=True,
+                                                                                reason="x" * 600)),
+     C.INVALID_ARGUMENT, "reason is longer"),
     ("deregister/unknown", lambda s, i: s.cells.DeregisterCell(pb.DeregisterCellRequest(cell_id="zz")), C.NOT_FOUND,
      "not registered"),
     ("deregister/switching", lambda s, i: s.cells.DeregisterCell(pb.DeregisterCellRequest(cell_id="sw")),
@@ -245,7 +252,7 @@ def test_bad_input_gets_a_precise_status(env: tuple[InProcess, Stubs, dict[str, 
 def test_every_rpc_has_a_bad_input_case() -> None:
     covered = {name.split("/")[0] for name, *_ in CASES}
     assert covered >= {"submit", "get", "list", "cancel", "watch", "execution", "training", "lease", "heartbeat",
-                       "complete", "register", "cell heartbeat", "deregister"}
+                       "complete", "register", "cell heartbeat", "deregister", "release", "cordon"}
 
 
 CLIENT_ERRORS = {C.INVALID_ARGUMENT, C.NOT_FOUND, C.ALREADY_EXISTS, C.FAILED_PRECONDITION}

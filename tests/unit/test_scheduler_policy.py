@@ -17,9 +17,10 @@ KV = 1000  # tokens one execution reserves
 CAP = 4 * KV  # four executions per cell
 
 
-def cell(i: int, role: Role, inflight: int = 0, *, core: bool = False, to: Role | None = None) -> CellView:
+def cell(i: int, role: Role, inflight: int = 0, *, core: bool = False, to: Role | None = None,
+         cordoned: bool = False) -> CellView:
     return CellView(cell_id=f"c{i}", role=role, is_core=core, inflight=inflight, kv_used_tokens=inflight * KV,
-                    kv_capacity_tokens=CAP, switching_to=to)
+                    kv_capacity_tokens=CAP, switching_to=to, cordoned=cordoned)
 
 
 def view(cells: list[CellView], *, queued: int = 0, running: int | None = None, train_ready: bool = False,
@@ -267,10 +268,11 @@ def cluster_views(draw: st.DrawFn) -> ClusterView:
     cells = [cell(0, Role.TRAIN, core=True)]
     for i in range(1, n):
         role = draw(st.sampled_from([Role.ROLLOUT, Role.ROLLOUT, Role.TRAIN, Role.SWITCHING, Role.IDLE]))
+        cordoned = draw(st.sampled_from([False, False, False, True]))
         if role is Role.SWITCHING:
-            cells.append(cell(i, role, to=draw(st.sampled_from([Role.ROLLOUT, Role.TRAIN]))))
+            cells.append(cell(i, role, to=draw(st.sampled_from([Role.ROLLOUT, Role.TRAIN])), cordoned=cordoned))
         else:
-            cells.append(cell(i, role, draw(st.integers(0, 4)) if role is Role.ROLLOUT else 0))
+            cells.append(cell(i, role, draw(st.integers(0, 4)) if role is Role.ROLLOUT else 0, cordoned=cordoned))
     return view(cells, queued=draw(st.integers(0, 40)), train_ready=draw(st.booleans()),
                 training_active=draw(st.booleans()))
 
@@ -282,6 +284,9 @@ def test_every_decision_keeps_the_invariants(v: ClusterView, mode: Mode, split: 
     acts = decide(v, p)
     assert_invariants(v, acts)
     assert decide(v, p) == acts  # pure: the same view gives the same answer
+    cordoned = {c.cell_id for c in v.cells if c.cordoned}
+    assert not [a for a in acts if a.cell_id in cordoned and a.to_role is Role.ROLLOUT]
+    assert not cordoned & {t for a in acts for t in a.migrate_to}  # never handed work
 
 
 def test_elastic_never_frees_a_cell_that_receives_work() -> None:
@@ -293,3 +298,33 @@ def test_elastic_never_frees_a_cell_that_receives_work() -> None:
     assert_invariants(v, acts)
     assert {a.cell_id for a in acts} == {"c1", "c2", "c3"}
     assert [a.migrate_to for a in acts if a.cell_id == "c3"] == [("c4",)]
+
+
+# -- cordoned cells (an operator's) ---------------------------------------------------------------
+@pytest.mark.parametrize("params", [ELASTIC, COLOCATE, PolicyParams(mode=Mode.ASYNC, async_rollout_cells=2)],
+                         ids=["elastic", "colocate", "async"])
+def test_a_cordoned_rollout_cell_is_drained_to_training_in_every_mode(params: PolicyParams) -> None:
+    cells = [cell(0, Role.TRAIN, core=True), cell(1, Role.ROLLOUT, 3, cordoned=True), cell(2, Role.ROLLOUT, 1)]
+    v = view(cells, queued=4)
+    acts = [a for a in decide(v, params) if a.cell_id == "c1"]
+    assert_invariants(v, acts)
+    assert len(acts) == 1 and acts[0].to_role is Role.TRAIN and acts[0].migrate_to == ("c2",)
+    assert "cordoned" in acts[0].reason
+
+
+@pytest.mark.parametrize("params", [ELASTIC, COLOCATE, PolicyParams(mode=Mode.ASYNC, async_rollout_cells=2)],
+                         ids=["elastic", "colocate", "async"])
+def test_a_cordoned_cell_never_goes_back_to_rollout(params: PolicyParams) -> None:
+    # every mode wants rollout capacity here (work queued, c2 is the only rollout cell)
+    cells = [cell(0, Role.TRAIN, core=True), cell(1, Role.TRAIN, cordoned=True), cell(2, Role.ROLLOUT, 4),
+             cell(3, Role.TRAIN)]
+    acts = decide(view(cells, queued=40, version=1), params)
+    assert "c1" not in switches(acts)
+    assert switches(acts).get("c3") is Role.ROLLOUT  # the mode still uses the cells it may move
+
+
+def test_a_cordoned_cell_stays_while_its_work_has_nowhere_to_go() -> None:
+    cells = [cell(0, Role.TRAIN, core=True), cell(1, Role.ROLLOUT, 3, cordoned=True), cell(2, Role.ROLLOUT, 3)]
+    assert "c1" not in switches(decide(view(cells), ELASTIC))  # c2 has room for 1 of its 3
+    idle_job = view(cells, running=0)  # the job runs nothing: the reported counts are stale
+    assert switches(decide(idle_job, ELASTIC))["c1"] is Role.TRAIN
