@@ -34,9 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "recovery.md"
 PY = sys.executable
-# The harness goes last: the executions it held wait out their lease TTL, and a scheduler takeover
-# grants every lease a full TTL again, so killed earlier it would blur the rows after it.
-VICTIMS = ("engine-1", "cell-1", "gateway", "reward", "trajectory", "trainer", "scheduler", "redis", "harness")
+VICTIMS = ("engine-1", "cell-1", "gateway", "reward", "trajectory", "harness", "trainer", "scheduler", "redis")
 GROUPS, GROUP_SIZE = 2, 2
 
 
@@ -86,6 +84,42 @@ def running(data: Path, job_id: str) -> int:
         return 0
 
 
+def leased(data: Path, job_id: str) -> dict[str, int]:
+    """Executions of the job's current and next step that are leased now: id -> attempt."""
+    from services.scheduler.client import SchedulerClient
+    from services.scheduler.jobs import ExecState
+    from services.scheduler.state import execution_id
+
+    out = {}
+    with SchedulerClient(state(data)["services"]["scheduler"]["address"], timeout_s=5) as c:
+        step = c.get_job(job_id).current_step
+        for s in (step, step + 1):
+            for g in range(GROUPS):
+                for i in range(GROUP_SIZE):
+                    try:
+                        x = c.get_execution(execution_id(job_id, s, g, i))
+                    except Exception:  # deliberate: not enqueued yet
+                        continue
+                    if x.state is ExecState.LEASED:
+                        out[x.execution_id] = x.attempt
+    return out
+
+
+def released_again(data: Path, held: dict[str, int], deadline: float) -> float:
+    """Block until every execution of ``held`` was leased again (or ended); the monotonic time."""
+    from services.scheduler.client import SchedulerClient
+    from services.scheduler.jobs import ExecState
+
+    with SchedulerClient(state(data)["services"]["scheduler"]["address"], timeout_s=5) as c:
+        while time.monotonic() < deadline:
+            recs = [c.get_execution(e) for e in held]
+            if all(r.attempt > held[r.execution_id] or r.state not in (ExecState.LEASED, ExecState.QUEUED)
+                   for r in recs):
+                return time.monotonic()
+            time.sleep(0.02)
+    raise TimeoutError("the killed harness's executions were not leased again")
+
+
 def serving_again(data: Path, victim: str, old_pid: int, deadline: float) -> float:
     """Block until the restarted ``victim`` serves; returns the monotonic time it did."""
     import redis
@@ -127,6 +161,8 @@ def _alive(pid: int) -> bool:
 def main() -> None:
     data = Path(tempfile.mkdtemp(prefix="gyre-bench-recovery-"))
     rows: list[dict[str, float | str]] = []
+    held_by_harness: dict[str, int] = {}
+    held_by_harness_s = float("nan")
     gyre(data, "up", "--engines", "2", "--harness-concurrency", "4")
     try:
         job_id = gyre(data, "submit", str(ROOT / "deploy" / "config" / "job.toml"), "--num_steps", "200",
@@ -142,9 +178,14 @@ def main() -> None:
                 time.sleep(0.02)
             st = state(data)
             pid = int(st["redis"]["pid"] if victim == "redis" else st["services"][victim]["pid"])
+            held = leased(data, job_id) if victim == "harness" else {}
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             t_serve = serving_again(data, victim, pid, t0 + 300)
+            if held:  # what the killed harness held runs again (its successor gives the leases up)
+                held_s = released_again(data, held, t0 + 300) - t0
+                held_by_harness, held_by_harness_s = held, held_s
+                print(f"harness: its {len(held)} executions leased again after {held_s:.2f} s", flush=True)
             while not watch.completions_after(t0):
                 assert time.monotonic() < t0 + 300, f"no execution completed after killing {victim}"
                 time.sleep(0.02)
@@ -195,8 +236,12 @@ def main() -> None:
         "(imports, the model for engines, Redis/spool recovery); the next completed execution also waits for "
         "what the process's peers retry (harness calls, reward retries, the trainer's resume from its last "
         "checkpoint and step journal). A next execution sooner than serving again means work went on "
-        "meanwhile (e.g. the other engine served). A killed harness's executions wait out their lease TTL "
-        "(60 s) before they run again elsewhere.", "",
+        "meanwhile (e.g. the other engine served); one much later than serving again means the job waited for "
+        "the restarted process to act (e.g. a scheduler killed while the pool trained has to lead again and "
+        "switch cells back to rollout before the next call is served).", "",
+        f"The killed harness held {len(held_by_harness)} leased executions; all were leased again "
+        f"**{held_by_harness_s:.2f} s** after the kill (its restarted process, under the same worker id, gave "
+        "up its predecessor's leases at start; before that they waited out the 60 s lease TTL).", "",
     ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines))

@@ -114,7 +114,11 @@ def open_channel(address: str, *, security: Security | None = None, max_message_
     """
     sec = security or _PROCESS
     limit = max_message_mb * 1024 * 1024
-    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+               # a restarted peer is reached again within 2 s (gRPC's defaults back off from 1 s up to
+               # 120 s after its connection broke, so a client would sit out a peer's restart for longer)
+               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 2000)]
     if sec.tls_ca_file or sec.tls_cert_file and sec.tls_client_ca_file:
         root = Path(sec.tls_ca_file).read_bytes() if sec.tls_ca_file else None
         key = Path(sec.tls_key_file).read_bytes() if sec.tls_key_file else None

@@ -23,7 +23,8 @@ Key layout (prefix ``gyre:sched:``)::
                                     reward service (removed once it acknowledged the score)
     cells                     SET   cell ids
     cell:{cell}               HASH  address, host, role, is_core, kv_*, inflight, weight_version,
-                                    heartbeat_ms, switch_{id,from,to,started_ms,job_id}, last_switch_*
+                                    heartbeat_ms, switch_{id,from,to,started_ms,job_id}, last_switch_*,
+                                    cordon_reason (set: an operator cordoned it; kept across RegisterCell)
     switches                  ZSET  cell_id -> switch_started_ms    (switches in flight)
     switch_log                STREAM  every finished / rolled-back switch with its duration
     leader                    STRING  instance id of the orchestrating scheduler (PX lease)
