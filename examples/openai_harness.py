@@ -1,8 +1,9 @@
 """An external harness: the official ``openai`` client against Gyre's OpenAI-compatible endpoint.
 
 This is what a harness written outside Gyre looks like. It leases executions from the scheduler's
-worker API, talks to the model only through ``/v1/chat/completions`` (the gateway records every
-call as TITO behind the scenes: the gyre ids ride in ``x-gyre-*`` headers), keeps its own
+worker API, talks to the model only through ``/v1/chat/completions`` at the lease's
+``session_base_url`` (an unmodified OpenAI client given only that base URL: the gateway records
+every call as TITO under the session's execution, agent, role and attempt), keeps its own
 workspace, and reports the workspace and end status to the reward service over gRPC. Optionally it
 also grades its own work: ``--serve-scorer`` starts an ``ExternalScorer`` gRPC server and points
 the job's scorer at it, so the reward service calls back here for every execution.
@@ -53,13 +54,15 @@ class Episode:
     codes: dict[str, str] = field(default_factory=dict)
     calls: int = 0
     attempt: int = 1  # the lease's attempt: a re-leased execution's calls replace the earlier attempt's
+    session: bool = False  # calls go to the lease's session base URL (the gateway knows who calls)
 
 
 def chat_step(client: openai.OpenAI, ep: Episode, *, model: str, temperature: float) -> str:
     """One model call: the whole chat so far; the reply is appended as the assistant turn."""
     ep.calls += 1
-    headers = {"x-gyre-job-id": ep.job_id, "x-gyre-execution-id": ep.execution_id, "x-gyre-agent-id": "main",
-               "x-gyre-role": "main", "x-gyre-call-id": f"main/{ep.calls}", "x-gyre-attempt": str(ep.attempt)}
+    headers = {} if ep.session else {  # no session URL (an old scheduler): name the execution in headers
+        "x-gyre-job-id": ep.job_id, "x-gyre-execution-id": ep.execution_id, "x-gyre-agent-id": "main",
+        "x-gyre-role": "main", "x-gyre-call-id": f"main/{ep.calls}", "x-gyre-attempt": str(ep.attempt)}
     reply = client.chat.completions.create(model=model, messages=ep.messages, max_tokens=6,  # type: ignore[arg-type]
                                            temperature=temperature, extra_headers=headers)
     text = reply.choices[0].message.content or ""
@@ -124,7 +127,7 @@ def run(*, base_url: str, scheduler: str, reward: str, job_id: str = "", model: 
         temperature: float = 1.0, max_executions: int = 0, idle_exit_s: float = 0.0,
         scorer_address: str = "") -> int:
     """Lease and run executions one at a time; returns how many ran."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=2, timeout=300)
+    shared = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=2, timeout=300)
     sched, rew = SchedulerClient(scheduler), RewardClient(reward)
     configured: set[str] = set()
     done, idle_since = 0, time.monotonic()
@@ -139,7 +142,11 @@ def run(*, base_url: str, scheduler: str, reward: str, job_id: str = "", model: 
                 rew.configure_job(lease.job_id, ScorerSpec(kind="external", target=scorer_address))
                 configured.add(lease.job_id)
             task_id = json.loads(lease.payload)["task_id"]
-            ep = Episode(lease.job_id, lease.execution_id, task_from_id(task_id), attempt=lease.attempt)
+            ep = Episode(lease.job_id, lease.execution_id, task_from_id(task_id), attempt=lease.attempt,
+                         session=bool(lease.session_base_url))
+            # the lease's own base URL, as a harness that reads only OPENAI_BASE_URL would get it
+            client = (openai.OpenAI(base_url=lease.session_base_url, api_key="unused", max_retries=2, timeout=300)
+                      if ep.session else shared)
             try:
                 status = solve(client, ep, model=model, temperature=temperature, deadline_s=lease.deadline_s)
             except openai.OpenAIError as exc:
@@ -162,7 +169,8 @@ def run(*, base_url: str, scheduler: str, reward: str, job_id: str = "", model: 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", required=True, help="the gateway's OpenAI endpoint, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--base-url", required=True, help="the gateway's OpenAI endpoint, e.g. http://127.0.0.1:8000/v1 "
+                   "(used only for leases without a session_base_url)")
     p.add_argument("--scheduler", required=True, help="host:port of the scheduler's worker API")
     p.add_argument("--reward", required=True, help="host:port of the reward service")
     p.add_argument("--job-id", default="", help="lease only this job's executions")

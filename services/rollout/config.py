@@ -68,6 +68,8 @@ class GatewayConfig(ServerConfig):
     http_port: int = setting(-1, "OpenAI-compatible HTTP port; -1 = off, 0 = any free port.")
     http_host: str = setting("127.0.0.1", "Interface the HTTP endpoint binds.")
     http_max_body_mb: int = setting(64, "Largest HTTP request body, MiB (413 beyond).")
+    http_advertise_url: str = setting("", "Base URL harnesses reach the HTTP endpoint at (sessions' base URLs "
+                                          "extend it); empty = http://<this host towards Redis>:<port>/v1.")
     tokenizer_path: str = setting("", "HF tokenizer (with a chat template) for HTTP: a checkpoint directory or "
                                       "a model name ('builtin-tiny', 'smollm2-135m-instruct').")
     model_cache_dir: str = setting("", "Where named models are built/converted; empty = the shared default.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from protos.gyre.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.entry import Built, run_service
 from services.common.errors import GyreError
 from services.common.logging import get_logger
-from services.common.server import build_server, wait_for_ready
+from services.common.server import advertised_host, build_server, wait_for_ready
 from services.rollout.config import EngineConfig, GatewayConfig
 
 log = get_logger(__name__)
@@ -151,13 +152,20 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
     http = None
     if cfg.http_port >= 0:
+        from services.common.redis_store import connect
+        from services.scheduler.sessions import Sessions
+
+        sessions = Sessions(connect(cfg.redis_url, check=False))  # the scheduler's: it mints them
         endpoint = OpenAIEndpoint(gateway, tokenizer=_load_tokenizer(cfg), model_name=cfg.served_model_name,
                                   job_id=cfg.job_id, default_max_tokens=cfg.default_max_tokens,
-                                  prompt_cache_tokens=cfg.prompt_cache_tokens)
+                                  prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions)
         http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
                             max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token).start()
-        log.info("openai endpoint", base_url=http.base_url)
-        server.info["http"] = http.base_url  # in the port file, so `gyre status` shows it
+        public = cfg.http_advertise_url or (f"http://{advertised_host(cfg.http_host, towards=cfg.redis_url)}:"
+                                            f"{http.port}/v1")
+        threading.Thread(target=_publish_http_url, args=(sessions, public), name="publish-http", daemon=True).start()
+        log.info("openai endpoint", base_url=public)
+        server.info["http"] = public  # in the port file, so `gyre status` shows it
 
     def on_shutdown() -> None:
         if http is not None:
@@ -168,6 +176,20 @@ def build_gateway(cfg: GatewayConfig) -> Built:
         gateway.stop()
 
     return server, on_shutdown
+
+
+def _publish_http_url(sessions: Any, url: str) -> None:
+    """Tell the scheduler (through Redis) the base URL that its session URLs extend; retried
+    until Redis answers."""
+    pause = 0.5
+    while True:
+        try:
+            sessions.publish_http_url(url)
+            return
+        except Exception as exc:  # deliberate: Redis not up yet; sessions wait for it
+            log.warning("publishing the HTTP base URL failed; retrying", error=str(exc))
+            time.sleep(pause)
+            pause = min(pause * 2, 10.0)
 
 
 def engine_main(argv: Sequence[str] | None = None) -> int:

@@ -10,8 +10,11 @@ Gyre fields ride in headers or in the body (the ``openai`` client's ``extra_body
 ``role`` (main | subagent | summary), ``x-gyre-call-id`` / ``call_id``, ``x-gyre-job-id`` /
 ``job_id``, ``x-gyre-attempt`` / ``attempt`` (the lease's attempt: a re-leased execution's records
 replace the earlier attempt's); ``top_k`` and ``return_token_ids`` (adds ``gyre.prompt_ids``/``gyre.output_ids``).
-Errors are OpenAI-style JSON: 400 bad input, 404 unknown route/model/session, 413 too large,
-503 no engine.
+Session base URLs: ``/s/<token>/v1/...`` (the token from a lease's ``session_base_url`` or
+``Worker.MintSession``) serves the same routes for a harness that knows only a base URL: the
+session says the job, execution, agent, role and attempt, and those win over any header.
+Errors are OpenAI-style JSON: 400 bad input, 401 bad bearer token, 404 unknown route/model/session,
+410 a session whose execution ended or was leased again, 413 too large, 503 no engine.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.rollout.calls import CallMeta, Piece
 from services.rollout.chat import PromptCache, Rendered
@@ -46,8 +49,9 @@ class OpenAIEndpoint:
     """The request logic (no sockets): body + headers -> response JSON or SSE events."""
 
     def __init__(self, gateway: Gateway, *, tokenizer: Any, model_name: str, job_id: str = "",
-                 default_max_tokens: int = 256, prompt_cache_tokens: int = 8_000_000) -> None:
+                 default_max_tokens: int = 256, prompt_cache_tokens: int = 8_000_000, sessions: Any = None) -> None:
         self.gateway = gateway
+        self.sessions = sessions  # services.scheduler.sessions.Sessions (None: no session URLs)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.job_id = job_id
@@ -59,6 +63,26 @@ class OpenAIEndpoint:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "gyre"}]}
+
+    def session_headers(self, token: str, headers: Any) -> dict[str, str]:
+        """The Gyre fields of a session URL's call (the session's, over any the client sent)."""
+        if self.sessions is None:
+            raise NotFound("this gateway serves no session URLs (it was started without the scheduler's Redis)")
+        try:
+            s = self.sessions.resolve(token)
+            ended = self.sessions.ended_reason(s) if s is not None else ""
+        except Exception as exc:  # deliberate: Redis unreachable is the client's 503, not a crash
+            raise Unavailable(f"session lookup failed: {exc}") from None
+        if s is None:
+            raise NotFound("unknown or expired session; use the session_base_url of a current lease")
+        if ended:
+            raise SessionEnded(ended)
+        out = {"x-gyre-job-id": s.job_id, "x-gyre-execution-id": s.execution_id, "x-gyre-agent-id": s.agent_id,
+               "x-gyre-role": s.role, "x-gyre-attempt": str(s.attempt)}
+        call_id = headers.get("x-gyre-call-id")
+        if call_id:
+            out["x-gyre-call-id"] = call_id
+        return out
 
     # -- request parsing ---------------------------------------------------------------------
     def _meta(self, body: dict[str, Any], headers: Any) -> CallMeta:
@@ -239,6 +263,10 @@ def _logprobs(tokenizer: Any, output: tuple[np.ndarray, np.ndarray], kind: str) 
     return {"tokens": tokens, "token_logprobs": lps.tolist(), "top_logprobs": None, "text_offset": None}
 
 
+class SessionEnded(Exception):
+    """A session URL whose execution ended or was leased again (HTTP 410)."""
+
+
 class OpenAIServer:
     """``ThreadingHTTPServer`` around an ``OpenAIEndpoint``. Lifecycle: start() -> stop()."""
 
@@ -286,10 +314,23 @@ class _Handler(BaseHTTPRequestHandler):
                                    "param": None, "code": 401}})
         return False
 
+    def _route(self) -> tuple[str, Any]:
+        """(route, the call's Gyre headers): a session URL's prefix is resolved and stripped."""
+        route = self.path.split("?")[0].rstrip("/")
+        if not route.startswith("/s/"):
+            return route, self.headers
+        token, _, rest = route[3:].partition("/")
+        return "/" + rest, self.server_ref.endpoint.session_headers(token, self.headers)
+
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        if self.path.rstrip("/") in ("/v1/models", "/models"):
+        try:
+            route, _ = self._route()
+        except Exception as exc:  # deliberate: an unknown or ended session is a 404 / 410
+            self._error(exc)
+            return
+        if route in ("/v1/models", "/models"):
             self._json(200, self.server_ref.endpoint.models())
         else:
             self._error(NotFound(f"no route GET {self.path}"))
@@ -297,15 +338,19 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         if not self._authorized():
             return
-        route = self.path.split("?")[0].rstrip("/")
         ep = self.server_ref.endpoint
         try:
+            try:
+                route, headers = self._route()
+            except Exception:
+                self._drain_body()
+                raise
             handler = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completion}.get(route)
             if handler is None:
                 self._drain_body()
                 raise NotFound(f"no route POST {self.path}")
             body = self._body()
-            result, stream = handler(body, self.headers)
+            result, stream = handler(body, headers)
         except Exception as exc:  # deliberate: every failure becomes an OpenAI-style error
             self._error(exc)
             return
@@ -374,6 +419,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, exc: BaseException) -> None:
+        if isinstance(exc, SessionEnded):
+            self._json(410, {"error": {"message": str(exc), "type": "session_ended", "param": None, "code": 410}})
+            return
         if isinstance(exc, GyreError):
             status = _STATUS.get(exc.code.name, 500)
         elif isinstance(exc, ValueError):

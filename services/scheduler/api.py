@@ -7,6 +7,7 @@ Every method validates its input first, so a bad request never reaches Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 import time
@@ -27,11 +28,14 @@ from services.scheduler.jobs import (
     JobState,
     JobStatus,
     Lease,
+    eval_job_id,
     HARNESSES,
     MAX_JOB_ID,
     Role,
     check_id,
 )
+from services.scheduler.sessions import ROLES as SESSION_ROLES
+from services.scheduler.sessions import Sessions, session_base_url
 from services.scheduler.state import CompleteResult, SchedulerState
 from services.scheduler.tasks import heldout_payloads, validate_task_source
 
@@ -96,6 +100,7 @@ class SchedulerApi:
         self.poll_s = poll_s
         self.sleep = sleep
         self._specs: dict[str, JobSpec] = {}  # specs never change: cache them for lease responses
+        self.sessions = Sessions(state.r, state.keys.namespace)
 
     def job_spec(self, job_id: str) -> JobSpec:
         spec = self._specs.get(job_id)
@@ -214,6 +219,7 @@ class SchedulerApi:
             lease = self.state.lease(candidates, worker_id, self.lease_ttl_s, strict=bool(job_id),
                                      request_id=request_id)
             if lease is not None:
+                lease = self._with_session(lease)
                 LEASES.inc()
                 log.debug("leased", job_id=lease.job_id, execution_id=lease.execution_id, attempt=lease.attempt,
                           worker_id=worker_id)
@@ -223,6 +229,31 @@ class SchedulerApi:
                 return None
             self.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
+
+    def _with_session(self, lease: Lease) -> Lease:
+        """The lease with its main agent's session (token and base URL)."""
+        record = eval_job_id(lease.job_id) if lease.evaluation else lease.job_id
+        token = self.sessions.mint(job_id=record, execution_id=lease.execution_id, agent_id="main", role="main",
+                                   attempt=lease.attempt, ttl_s=lease.deadline_s - self.state.clock() + 60)
+        base = self.sessions.http_url()
+        return dataclasses.replace(lease, session_token=token,
+                                   session_base_url=session_base_url(base, token) if base else "")
+
+    def mint_session(self, execution_id: str, lease_token: str, agent_id: str, role: str) -> tuple[str, str]:
+        """Another agent's session of a leased execution: (token, base URL)."""
+        _require(execution_id, "execution_id")
+        _require(lease_token, "lease_token")
+        _require(agent_id, "agent_id", 128)
+        if role not in SESSION_ROLES:
+            raise InvalidArgument(f"role is {role!r}; expected one of {', '.join(SESSION_ROLES)}")
+        job_id, attempt, evaluation = self.state.current_lease(execution_id, lease_token)
+        record = eval_job_id(job_id) if evaluation else job_id
+        deadline = self.state.execution(execution_id).deadline_s
+        token = self.sessions.mint(job_id=record, execution_id=execution_id, agent_id=agent_id, role=role,
+                                   attempt=attempt, ttl_s=deadline - self.state.clock() + 60)
+        base = self.sessions.http_url()
+        log.info("session minted", execution_id=execution_id, agent_id=agent_id, role=role)
+        return token, session_base_url(base, token) if base else ""
 
     def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
         """A worker (re)starting under ``worker_id`` gives up every lease that id holds: its

@@ -122,6 +122,12 @@ class SchedulerClient(GrpcClient):
         state = STATUS_FROM_PB.get(res.status, ExecState.FAILED) if res.duplicate else status
         return CompleteResult(state, res.duplicate, res.done_in_step)
 
+    def mint_session(self, execution_id: str, lease_token: str, *, agent_id: str, role: str) -> tuple[str, str]:
+        """A session (token, base URL) for another agent of a leased execution (a sub-agent, a summary)."""
+        res = self._call(self._worker.MintSession, pb.MintSessionRequest(
+            execution_id=execution_id, lease_token=lease_token, agent_id=agent_id, role=role))
+        return res.session_token, res.session_base_url
+
     def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
         """Give up every lease ``worker_id`` holds (call it when starting under a stable id)."""
         res = self._call(self._worker.ReleaseWorker, pb.ReleaseWorkerRequest(worker_id=worker_id, reason=reason))

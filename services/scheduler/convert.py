@@ -151,7 +151,8 @@ def lease_to_proto(lz: Lease, job: JobSpec) -> scheduler_pb2.ExecutionLease:
         lease_expires_s=lz.lease_expires_s, model=job.model, timeout_policy=TIMEOUT_TO_PB[job.timeout_policy],
         evaluation=lz.evaluation, greedy=lz.evaluation and job.evaluation.greedy,
         record_job_id=eval_job_id(lz.job_id) if lz.evaluation else lz.job_id,
-        temperature=0.0 if lz.evaluation and job.evaluation.greedy else job.algorithm.temperature)
+        temperature=0.0 if lz.evaluation and job.evaluation.greedy else job.algorithm.temperature,
+        session_token=lz.session_token, session_base_url=lz.session_base_url)
 
 
 def execution_to_proto(x: ExecutionRecord) -> scheduler_pb2.Execution:
@@ -198,7 +199,8 @@ def lease_from_proto(p: scheduler_pb2.ExecutionLease) -> Lease:
                  payload=p.task_payload, lease_token=p.lease_token, attempt=p.attempt, deadline_s=p.deadline_s,
                  lease_ttl_s=p.lease_ttl_s, lease_expires_s=p.lease_expires_s, evaluation=p.evaluation,
                  greedy=p.greedy, record_job_id=p.record_job_id or p.job_id,
-                 temperature=p.temperature if p.HasField("temperature") else None, model=p.model)
+                 temperature=p.temperature if p.HasField("temperature") else None, model=p.model,
+                 session_token=p.session_token, session_base_url=p.session_base_url)
 
 
 def execution_from_proto(p: scheduler_pb2.Execution) -> ExecutionRecord:

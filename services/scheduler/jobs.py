@@ -436,6 +436,8 @@ class Lease:
     record_job_id: str = ""  # job id its model calls and score are recorded under ("" = job_id)
     temperature: float | None = None  # the job's sampling temperature (0: greedy); None: the harness's own
     model: str = ""  # the model the job trains (name or checkpoint dir; the engines serve it)
+    session_token: str = ""  # the main agent's session (see services/scheduler/sessions.py)
+    session_base_url: str = ""  # http://GATEWAY/s/<token>/v1 ("" while no gateway published its endpoint)
 
 
 def eval_job_id(job_id: str) -> str:

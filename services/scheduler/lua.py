@@ -106,6 +106,7 @@ local deadline = now + tonumber(timeout_ms)
 local attempt = redis.call('HINCRBY', ek, 'attempt', 1)
 redis.call('HSET', ek, 'state', 'leased', 'token', ARGV[4], 'worker_id', ARGV[5],
            'lease_expires_ms', expires, 'deadline_ms', deadline, 'leased_ms', now)
+redis.call('HDEL', ek, 'lease_released')
 redis.call('ZADD', KEYS[4], expires, eid)
 redis.call('SADD', KEYS[3], eid)
 if ARGV[6] ~= '' then redis.call('SET', ARGV[6], eid, 'PX', ARGV[3]) end  -- the request's answer
@@ -114,11 +115,13 @@ return {1, eid, attempt, deadline, expires, f[1], f[2], f[3], f[4] or ''}
 """
 
 # KEYS: exec, leases, running, queue, job   ARGV: token, now, ttl_ms, execution_id
-# Extends a lease. A lease that expired but was not leased again is revived (same token).
+# Extends a lease. A lease that expired but was not leased again is revived (same token), unless its
+# worker gave it up (ReleaseWorker).
 HEARTBEAT = r"""
-local st, tok, deadline = unpack(redis.call('HMGET', KEYS[1], 'state', 'token', 'deadline_ms'))
+local st, tok, deadline, released = unpack(redis.call('HMGET', KEYS[1], 'state', 'token', 'deadline_ms',
+                                                      'lease_released'))
 if not st then return {-1} end
-if tok ~= ARGV[1] then return {-2, st} end
+if tok ~= ARGV[1] or released then return {-2, st} end  -- a released lease was given up for good
 if st == 'queued' then
   if redis.call('ZREM', KEYS[4], ARGV[4]) == 0 then return {-3, st} end
   redis.call('SADD', KEYS[3], ARGV[4])
@@ -237,11 +240,15 @@ return out
 # KEYS: leases   ARGV: until_ms, exec_prefix
 GRACE_LEASES = r"""
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+local n = 0
 for _, eid in ipairs(ids) do
-  redis.call('ZADD', KEYS[1], ARGV[1], eid)
-  redis.call('HSET', ARGV[2] .. eid, 'lease_expires_ms', ARGV[1])
+  if redis.call('HEXISTS', ARGV[2] .. eid, 'lease_released') == 0 then  -- a released lease stays given up
+    redis.call('ZADD', KEYS[1], ARGV[1], eid)
+    redis.call('HSET', ARGV[2] .. eid, 'lease_expires_ms', ARGV[1])
+    n = n + 1
+  end
 end
-return #ids
+return n
 """
 
 # KEYS: leases   ARGV: exec_prefix, worker_id, now
@@ -254,7 +261,7 @@ for _, eid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local st, worker = unpack(redis.call('HMGET', ek, 'state', 'worker_id'))
   if st == 'leased' and worker == ARGV[2] then
     redis.call('ZADD', KEYS[1], ARGV[3], eid)
-    redis.call('HSET', ek, 'lease_expires_ms', ARGV[3])
+    redis.call('HSET', ek, 'lease_expires_ms', ARGV[3], 'lease_released', '1')  -- no grace re-extends it
     out[#out + 1] = eid
   end
 end

@@ -111,6 +111,10 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
                                             duplicate=res.duplicate, done_in_step=res.done_in_step)
 
 
+    def MintSession(self, request: pb.MintSessionRequest, context: grpc.ServicerContext) -> pb.MintSessionResponse:
+        token, url = self.api.mint_session(request.execution_id, request.lease_token, request.agent_id, request.role)
+        return pb.MintSessionResponse(session_token=token, session_base_url=url)
+
     def ReleaseWorker(self, request: pb.ReleaseWorkerRequest,
                       context: grpc.ServicerContext) -> pb.ReleaseWorkerResponse:
         return pb.ReleaseWorkerResponse(execution_ids=self.api.release_worker(request.worker_id, request.reason))

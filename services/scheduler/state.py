@@ -75,6 +75,7 @@ class Keys:
     """Key names of the scheduler (see the module docstring for the layout)."""
 
     def __init__(self, namespace: str = "sched") -> None:
+        self.namespace = namespace
         self._ns = _NsKeys(namespace)
         self.jobs = self._ns.key("jobs")
         self.active = self._ns.key("active")
@@ -109,6 +110,13 @@ class Keys:
 
     def lease_request(self, request_id: str) -> str:
         return self._ns.key("lease_req", request_id)
+
+    def session(self, token: str) -> str:
+        return self._ns.key("session", token)
+
+    @property
+    def gateway_http(self) -> str:
+        return self._ns.key("gateway_http")
 
 
 def execution_id(job_id: str, step: int, group: int, index: int) -> str:
@@ -472,6 +480,18 @@ class SchedulerState:
         """Extend every lease to expire no sooner than ``ttl_s`` from now (after a leader change)."""
         until = self.now_ms() + int(ttl_s * 1000)
         return int(self._run("GRACE_LEASES", [self.keys.leases], [until, self.keys.exec_prefix]))
+
+    def current_lease(self, execution_id_: str, token: str) -> tuple[str, int, bool]:
+        """(job_id, attempt, evaluation) of the execution while ``token`` holds its lease; else
+        NotFound / FailedPrecondition."""
+        st, tok, attempt, jid, round_ = self.r.hmget(self.keys.execution(execution_id_), "state", "token", "attempt",
+                                                     "job_id", "eval_round")
+        if st is None:
+            raise NotFound(f"execution {execution_id_!r} does not exist (or ended longer ago than retention)")
+        if _s(st) != "leased" or _s(tok) != token:
+            raise FailedPrecondition(f"execution {execution_id_!r} is not leased with this lease token (it ended, "
+                                     f"or its lease expired and it was leased again); state is {_s(st)}")
+        return _s(jid), _i(attempt), bool(_s(round_))
 
     def release_worker(self, worker_id: str) -> list[str]:
         """End every lease ``worker_id`` holds now (a restarted worker's predecessor died holding

@@ -75,7 +75,8 @@ def test_the_external_harness_example_runs_a_submitted_job_and_it_is_trained(sta
                "--evaluation.tasks", "0", "--harness", "external")
     job_id = sub.stdout.strip().splitlines()[-1]
     services = status(stack)["services"]
-    base_url = services["gateway"]["http"]
+    # an unreachable shared URL: every call must go to the session base URL its lease carries
+    base_url = "http://127.0.0.1:9/v1"
     harness = subprocess.run(
         [PY, str(REPO / "examples" / "openai_harness.py"), "--base-url", base_url,
          "--scheduler", services["scheduler"]["address"], "--reward", services["reward"]["address"],

@@ -17,9 +17,11 @@ from transformers import AutoTokenizer
 from services.reward.client import RewardClient
 from services.reward.config import RewardConfig
 from services.reward.main import build_reward
+from services.common.redis_store import connect
 from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
 from services.scheduler.jobs import ExecState, Mode, TaskSource
 from services.scheduler.orchestrator import Orchestrator
+from services.scheduler.sessions import Sessions
 from services.task.model import BuiltinModelSpec, ensure_builtin_model
 from services.task.tokenizer import Codec
 from services.trajectory.records import Role
@@ -60,8 +62,11 @@ def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
     engine = start_engine("cell-o", checkpoint=model_dir)
     gw = start_gateway()
     gw.client().register_engine(engine.cell_id, engine.address)
-    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)), model_name="gyre")
+    sessions = Sessions(connect(redis_url))
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)), model_name="gyre",
+                              sessions=sessions)
     http = OpenAIServer(endpoint).start()
+    sessions.publish_http_url(http.base_url)  # what the gateway process does at start
     with in_process_scheduler(redis_url) as sched:
         yield {"scheduler": sched, "gateway": gw, "http": http, "reward": reward.address}
     http.stop()
@@ -101,3 +106,49 @@ def test_openai_harness_runs_executions_and_grades_them_itself(stack: dict, mode
         score = reward.get_score(eid)
         assert score.scorer.startswith("external:") and score.state == "ok" and score.tests_total == 8
         assert sched.client.get_execution(eid).state is ExecState.FINISHED
+
+
+def test_an_unmodified_client_with_only_a_session_base_url_is_recorded_under_its_execution(stack: dict) -> None:
+    import openai
+
+    from services.common.errors import FailedPrecondition, InvalidArgument
+
+    sched, gw = stack["scheduler"], stack["gateway"]
+    sched.client.submit_job(job_spec("sj", num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE))
+    assert Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    lease = sched.client.lease("session-harness", job_id="sj")
+    assert lease is not None and lease.session_base_url.startswith(stack["http"].base_url.removesuffix("/v1") + "/s/")
+    chat = [{"role": "user", "content": "step add 1"}]
+
+    def ask(base_url: str) -> None:  # an OpenAI client that knows nothing but a base URL
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["gyre"]
+        client.chat.completions.create(model="gyre", messages=chat, max_tokens=3)  # type: ignore[arg-type]
+
+    ask(lease.session_base_url)
+    _, sub_url = sched.client.mint_session(lease.execution_id, lease.lease_token, agent_id="sub-1", role="subagent")
+    ask(sub_url)
+    recs = [r for r in gw.records if r.execution_id == lease.execution_id]
+    assert [(r.job_id, r.agent_id, r.role, r.attempt) for r in recs] == [("sj", "main", Role.MAIN, 1),
+                                                                        ("sj", "sub-1", Role.SUBAGENT, 1)]
+    with pytest.raises(openai.NotFoundError, match="unknown or expired session"):
+        ask(stack["http"].base_url.removesuffix("/v1") + "/s/not-a-session/v1")
+    with pytest.raises(FailedPrecondition, match="not leased with this lease token"):
+        sched.client.mint_session(lease.execution_id, "forged", agent_id="sub-2", role="subagent")
+    with pytest.raises(InvalidArgument, match="role"):
+        sched.client.mint_session(lease.execution_id, lease.lease_token, agent_id="sub-2", role="boss")
+    # its worker restarts: the lease is given up and the execution leased again (attempt 2, new sessions)
+    assert sched.client.release_worker("session-harness") == [lease.execution_id]
+    Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    with pytest.raises(openai.APIStatusError, match="runs again under a new session") as stale:
+        ask(lease.session_base_url)
+    assert stale.value.status_code == 410
+    again = sched.client.lease("session-harness", job_id="sj")
+    assert again is not None and again.attempt == 2 and again.session_base_url != lease.session_base_url
+    ask(again.session_base_url)
+    sched.client.complete(again.execution_id, again.lease_token, ExecState.FINISHED)
+    with pytest.raises(openai.APIStatusError, match="execution is finished") as ended:
+        ask(again.session_base_url)
+    assert ended.value.status_code == 410
+    recs = [r for r in gw.records if r.execution_id == lease.execution_id]
+    assert [(r.agent_id, r.attempt) for r in recs] == [("main", 1), ("sub-1", 1), ("main", 2)]  # none after the end

@@ -297,5 +297,13 @@ def test_a_restarted_worker_releases_its_predecessors_leases(redis_url: str) -> 
         assert first is not None
         with pytest.raises(FailedPrecondition, match="not the current one"):  # its token was the dead process's
             s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
+        # given up for good: neither a leader takeover's grace nor the old token's heartbeat revives it
+        other_lease = s.client.lease("host-c:harness")
+        assert other_lease is None  # nothing queued: the released ones are leased again above
+        assert s.client.release_worker("host-b:harness") == [other.execution_id]
+        assert orchestrator(s).tick()  # a new instance takes the lead: grace for every lease but the released
+        with pytest.raises(FailedPrecondition, match="not the current one"):
+            s.client.heartbeat(other.execution_id, other.lease_token)
+        assert s.client.get_execution(other.execution_id).state is ExecState.QUEUED
         with pytest.raises(InvalidArgument, match="worker_id is required"):
             s.client.release_worker("")

@@ -185,6 +185,18 @@ CASES: list[Case] = [
     ("lease/ended job", lambda s, i: s.worker.LeaseExecution(pb.LeaseExecutionRequest(worker_id="w",
                                                                                        job_id="done")),
      C.FAILED_PRECONDITION, "completed"),
+    ("mint/no execution", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(lease_token="t", agent_id="a",
+                                                                                   role="main")),
+     C.INVALID_ARGUMENT, "execution_id is required"),
+    ("mint/no agent", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+        execution_id=i["exec"], lease_token=i["token"], role="subagent")), C.INVALID_ARGUMENT, "agent_id is required"),
+    ("mint/bad role", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+        execution_id=i["exec"], lease_token=i["token"], agent_id="a", role="boss")), C.INVALID_ARGUMENT, "role"),
+    ("mint/unknown", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+        execution_id="e", lease_token="t", agent_id="a", role="main")), C.NOT_FOUND, "does not exist"),
+    ("mint/stale", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+        execution_id=i["stale_exec"], lease_token=i["stale_token"], agent_id="a", role="summary")),
+     C.FAILED_PRECONDITION, "not leased with this lease token"),
     ("release/no worker", lambda s, i: s.worker.ReleaseWorker(pb.ReleaseWorkerRequest()), C.INVALID_ARGUMENT,
      "worker_id is required"),
     ("release/long worker", lambda s, i: s.worker.ReleaseWorker(pb.ReleaseWorkerRequest(worker_id="w" * 300)),
@@ -252,7 +264,7 @@ def test_bad_input_gets_a_precise_status(env: tuple[InProcess, Stubs, dict[str, 
 def test_every_rpc_has_a_bad_input_case() -> None:
     covered = {name.split("/")[0] for name, *_ in CASES}
     assert covered >= {"submit", "get", "list", "cancel", "watch", "execution", "training", "lease", "heartbeat",
-                       "complete", "register", "cell heartbeat", "deregister", "release", "cordon"}
+                       "complete", "register", "cell heartbeat", "deregister", "release", "cordon", "mint"}
 
 
 CLIENT_ERRORS = {C.INVALID_ARGUMENT, C.NOT_FOUND, C.ALREADY_EXISTS, C.FAILED_PRECONDITION}

@@ -1,0 +1,91 @@
+"""Session base URLs: one unguessable token per agent of a leased execution, in Redis.
+
+An unmodified harness knows only a base URL (``OPENAI_BASE_URL``). The scheduler mints a session
+for the main agent of every lease, and ``Worker.MintSession`` mints more (sub-agents, summaries);
+the gateway's HTTP endpoint serves ``/s/<token>/v1/...`` and records each call under the
+session's job, execution, agent, role and lease attempt, whatever headers the client sends.
+
+    session:{token}        HASH  job_id (the record job: "<job>-eval" for evaluations), execution_id,
+                                 agent_id, role, attempt; expires with the execution's deadline
+
+A session is live while its execution is leased at the session's attempt: once the execution
+ended, or its lease expired and it was leased again (a new attempt gets new sessions), calls
+through it are refused (HTTP 410). An unknown or expired token is HTTP 404.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from services.scheduler.state import Keys
+
+ROLES = ("main", "subagent", "summary")
+
+
+@dataclass(frozen=True)
+class Session:
+    token: str
+    job_id: str
+    execution_id: str
+    agent_id: str
+    role: str
+    attempt: int
+
+
+class Sessions:
+    """Mint (scheduler) and resolve (gateway) session tokens; thread-safe like redis-py."""
+
+    def __init__(self, client: Any, namespace: str = "sched") -> None:
+        self.r = client
+        self.keys = Keys(namespace)
+
+    def publish_http_url(self, url: str) -> None:
+        """The gateway's HTTP base URL (``http://host:port/v1``) that session base URLs extend."""
+        self.r.set(self.keys.gateway_http, url)
+
+    def http_url(self) -> str:
+        v = self.r.get(self.keys.gateway_http)
+        return v.decode() if isinstance(v, bytes) else (v or "")
+
+    def mint(self, *, job_id: str, execution_id: str, agent_id: str, role: str, attempt: int, ttl_s: float) -> str:
+        if role not in ROLES:
+            raise ValueError(f"role is {role!r}; expected one of {', '.join(ROLES)}")
+        token = secrets.token_urlsafe(24)  # 192 bits
+        key = self.keys.session(token)
+        with self.r.pipeline() as pipe:
+            pipe.hset(key, mapping={"job_id": job_id, "execution_id": execution_id, "agent_id": agent_id,
+                                    "role": role, "attempt": attempt})
+            pipe.pexpire(key, max(1000, int(ttl_s * 1000)))
+            pipe.execute()
+        return token
+
+    def resolve(self, token: str) -> Session | None:
+        """The session of ``token`` (None when unknown or expired)."""
+        if not token or len(token) > 64:
+            return None
+        h = self.r.hgetall(self.keys.session(token))
+        if not h:
+            return None
+        g = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+             for k, v in h.items()}
+        return Session(token=token, job_id=g["job_id"], execution_id=g["execution_id"], agent_id=g["agent_id"],
+                       role=g["role"], attempt=int(g["attempt"]))
+
+    def ended_reason(self, session: Session) -> str:
+        """Why calls through ``session`` are refused now ("" while its execution is leased at its attempt)."""
+        state, attempt = self.r.hmget(self.keys.execution(session.execution_id), "state", "attempt")
+        state = state.decode() if isinstance(state, bytes) else (state or "")
+        if state == "leased" and int(attempt or 0) == session.attempt:
+            return ""
+        if state in ("leased", "queued") or int(attempt or 0) != session.attempt:
+            return (f"the session of execution {session.execution_id!r} ended: its lease (attempt "
+                    f"{session.attempt}) expired and the execution runs again under a new session")
+        return f"the session of execution {session.execution_id!r} ended: the execution is {state or 'gone'}"
+
+
+def session_base_url(http_base_url: str, token: str) -> str:
+    """``http://gateway:port/v1`` + token -> ``http://gateway:port/s/<token>/v1``."""
+    root = http_base_url.rstrip("/").removesuffix("/v1")
+    return f"{root}/s/{token}/v1"
