@@ -101,12 +101,16 @@ class PromptCache:
         self._lock = threading.Lock()
 
     # -- chat ----------------------------------------------------------------------------------
-    def render_chat(self, session: tuple[str, str], messages: Sequence[Message]) -> Rendered:
+    def render_chat(self, session: tuple[str, str], messages: Sequence[Message],
+                    tools: Sequence[dict[str, Any]] | None = None) -> Rendered:
+        """``tools``: function specs the template renders itself (``apply_chat_template(tools=)``)."""
         if not messages:
             raise InvalidArgument("messages must be a non-empty list")
         for m in messages:
             content_text(m)  # validates
-        text = self._apply_template(messages)
+        text = self._apply_template(messages, tools)
+        if tools:
+            session = (session[0], session[1] + "\0tools:" + json.dumps(list(tools), sort_keys=True))
         digests = self._prefix_digests(session, messages)
         # Longest earlier conversation that this one extends (its last message is our reply).
         for i in range(len(messages) - 1, -1, -1):
@@ -121,9 +125,14 @@ class PromptCache:
         return Rendered(text, self._encode(text), 0)
 
     def remember_chat(self, session: tuple[str, str], messages: Sequence[Message], rendered: Rendered,
-                      output_ids: np.ndarray, output_text: str, stop_text: str) -> None:
-        """Record a finished chat call under the digest of messages + [its assistant reply]."""
-        reply = {"role": "assistant", "content": output_text}
+                      output_ids: np.ndarray, output_text: str, stop_text: str, *, reply_text: str | None = None,
+                      tools: Sequence[dict[str, Any]] | None = None) -> None:
+        """Record a finished chat call under the digest of messages + [its assistant reply]
+        (``reply_text``: the reply as the next request's messages carry it, when it is more than
+        the output, e.g. a forced tool-call opening + the output)."""
+        if tools:
+            session = (session[0], session[1] + "\0tools:" + json.dumps(list(tools), sort_keys=True))
+        reply = {"role": "assistant", "content": output_text if reply_text is None else reply_text}
         key = self._prefix_digests(session, [*messages, reply])[-1]
         self._put(key, ConversationState(rendered.prompt_text, rendered.prompt_ids,
                                          np.asarray(output_ids, dtype=np.int32), output_text, stop_text))
@@ -173,10 +182,15 @@ class PromptCache:
         tail = self._encode(rest) if rest else np.zeros(0, dtype=np.int32)
         return np.concatenate([state.prompt_ids, state.output_ids, tail]).astype(np.int32)
 
-    def _apply_template(self, messages: Sequence[Message]) -> str:
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` tokenized as a continuation (no special tokens added)."""
+        return self._encode(text)
+
+    def _apply_template(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        extra = {"tools": [{"type": "function", "function": t} for t in tools]} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **extra)
         except Exception as exc:  # template errors are the caller's malformed messages
             raise InvalidArgument(f"cannot render the chat template for these messages: {exc}") from exc
         assert isinstance(text, str)

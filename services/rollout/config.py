@@ -74,6 +74,8 @@ class GatewayConfig(ServerConfig):
                                       "a model name ('builtin-tiny', 'smollm2-135m-instruct').")
     model_cache_dir: str = setting("", "Where named models are built/converted; empty = the shared default.")
     served_model_name: str = setting("gyre", "Model name the HTTP endpoint serves (/v1/models).")
+    tool_parser: str = setting("auto", "How tool calls look in generated text: hermes (<tool_call>{json}</tool_call>), "
+                                       "llama3_json, or auto (by the chat template).")
     default_max_tokens: int = setting(256, "max_tokens of HTTP calls that do not set it.")
     trajectory_address: str = setting("", "Trajectory service receiving TITO records; empty = not forwarded.")
     job_id: str = setting("", "Job id stamped on TITO records of calls that carry none.")
@@ -91,6 +93,8 @@ class GatewayConfig(ServerConfig):
         super().__post_init__()
         for a in self.engine_addresses:
             check(":" in a.split("=", 1)[-1], "engine_addresses", a, "'host:port' or 'cell_id=host:port'")
+        check(self.tool_parser in ("auto", "hermes", "llama3_json"), "tool_parser", self.tool_parser,
+              "auto, hermes or llama3_json")
         check(-1 <= self.http_port < 65536, "http_port", self.http_port, "-1, 0 or a port")
         check(self.http_max_body_mb >= 1, "http_max_body_mb", self.http_max_body_mb, "at least 1")
         check(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "at least 1")

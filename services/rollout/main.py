@@ -158,7 +158,8 @@ def build_gateway(cfg: GatewayConfig) -> Built:
         sessions = Sessions(connect(cfg.redis_url, check=False))  # the scheduler's: it mints them
         endpoint = OpenAIEndpoint(gateway, tokenizer=_load_tokenizer(cfg), model_name=cfg.served_model_name,
                                   job_id=cfg.job_id, default_max_tokens=cfg.default_max_tokens,
-                                  prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions)
+                                  prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions,
+                                  tool_parser=cfg.tool_parser)
         http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
                             max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token).start()
         public = cfg.http_advertise_url or (f"http://{advertised_host(cfg.http_host, towards=cfg.redis_url)}:"

@@ -10,6 +10,10 @@ Gyre fields ride in headers or in the body (the ``openai`` client's ``extra_body
 ``role`` (main | subagent | summary), ``x-gyre-call-id`` / ``call_id``, ``x-gyre-job-id`` /
 ``job_id``, ``x-gyre-attempt`` / ``attempt`` (the lease's attempt: a re-leased execution's records
 replace the earlier attempt's); ``top_k`` and ``return_token_ids`` (adds ``gyre.prompt_ids``/``gyre.output_ids``).
+Tool calling: ``tools`` and ``tool_choice`` (auto, none, required, a named function) through the
+chat template or its fallback, calls parsed back per model family and returned as ``tool_calls``
+(streamed as ``tool_calls`` deltas), ``finish_reason: tool_calls``; see ``services/rollout/tools.py``.
+
 Session base URLs: ``/s/<token>/v1/...`` (the token from a lease's ``session_base_url`` or
 ``Worker.MintSession``) serves the same routes for a harness that knows only a base URL: the
 session says the job, execution, agent, role and attempt, and those win over any header.
@@ -37,6 +41,7 @@ from services.common.logging import get_logger
 from services.rollout.calls import CallMeta, Piece
 from services.rollout.chat import PromptCache, Rendered
 from services.rollout.engine import SamplingParams
+from services.rollout import tools as tools_mod
 from services.rollout.gateway import Gateway
 
 log = get_logger(__name__)
@@ -49,9 +54,14 @@ class OpenAIEndpoint:
     """The request logic (no sockets): body + headers -> response JSON or SSE events."""
 
     def __init__(self, gateway: Gateway, *, tokenizer: Any, model_name: str, job_id: str = "",
-                 default_max_tokens: int = 256, prompt_cache_tokens: int = 8_000_000, sessions: Any = None) -> None:
+                 default_max_tokens: int = 256, prompt_cache_tokens: int = 8_000_000, sessions: Any = None,
+                 tool_parser: str = "auto") -> None:
         self.gateway = gateway
         self.sessions = sessions  # services.scheduler.sessions.Sessions (None: no session URLs)
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        self.tool_format = tools_mod.format_for(template, tool_parser)
+        self.template_tools = tools_mod.template_renders_tools(template)
+        self.raw_replies = tools_mod.RawReplies()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.job_id = job_id
@@ -130,16 +140,29 @@ class OpenAIEndpoint:
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("'messages' must be a non-empty list")
         meta, params = self._meta(body, headers), self._params(body)
+        tools = tools_mod.parse_tools(body.get("tools"))
+        choice = tools_mod.parse_tool_choice(body.get("tool_choice"), tools)
+        fmt = self.tool_format
+        prepared = tools_mod.prepare_messages(messages, tools, fmt, self.raw_replies, template_tools=self.template_tools)
+        native = tools if tools and self.template_tools else None
         session = (meta.execution_id, meta.agent_id)
-        rendered = self.prompts.render_chat(session, messages)
+        rendered = self.prompts.render_chat(session, prepared, tools=native)
         if rendered.reused_tokens == 0 and any(m.get("role") == "assistant" for m in messages):
             log.info("chat prompt tokenized from scratch (no earlier turn matched)",
                      execution_id=meta.execution_id, agent_id=meta.agent_id)
+        # a forced call: its opening is context (appended to the prompt), the model writes the rest
+        prefix = fmt.forced_prefix(choice) if tools else ""
+        if prefix:
+            rendered = Rendered(rendered.prompt_text + prefix,
+                                np.concatenate([rendered.prompt_ids, self.prompts.encode(prefix)]).astype(np.int32),
+                                rendered.reused_tokens)
 
         def remember(ids: np.ndarray, text: str, stop_text: str) -> None:
-            self.prompts.remember_chat(session, messages, rendered, ids, text, stop_text)
+            self.prompts.remember_chat(session, prepared, rendered, ids, text, stop_text, reply_text=prefix + text,
+                                       tools=native)
 
-        return self._run("chat.completion", body, meta, params, rendered, remember)
+        calls = _ToolShape(fmt, prefix, self.raw_replies) if tools and choice.mode != "none" else None
+        return self._run("chat.completion", body, meta, params, rendered, remember, calls=calls, prefix=prefix)
 
     def completion(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
         prompt = body.get("prompt")
@@ -164,7 +187,8 @@ class OpenAIEndpoint:
         return self._run("text_completion", body, meta, params, rendered, remember)
 
     def _run(self, kind: str, body: dict[str, Any], meta: CallMeta, params: SamplingParams,
-             rendered: Rendered, remember: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+             rendered: Rendered, remember: Any, *, calls: _ToolShape | None = None,
+             prefix: str = "") -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
         call = self.gateway.new_call(meta, params, prompt_ids=rendered.prompt_ids)
         pieces = self.gateway.run(call)
         created = int(time.time())
@@ -194,7 +218,12 @@ class OpenAIEndpoint:
             text, gyre, reason = finish()
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
             if kind == "chat.completion":
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": prefix + text}
+                if calls is not None:
+                    content, found = calls.shape(text)
+                    if found:
+                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": found}
+                        choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = text
             if want_lp:
@@ -204,17 +233,20 @@ class OpenAIEndpoint:
         # Start the call now, so routing/validation errors still get a proper HTTP status.
         first = next(pieces, None)
         head = [first] if first is not None else []
-        return None, self._sse(kind, rid, created, call, itertools.chain(head, pieces), pieces, finish, usage)
+        return None, self._sse(kind, rid, created, call, itertools.chain(head, pieces), pieces, finish, usage,
+                               calls=calls, prefix=prefix)
 
     def _sse(self, kind: str, rid: str, created: int, call: Any, pieces: Iterator[Piece], gen: Any,
-             finish: Any, usage: Any) -> Iterator[bytes]:
+             finish: Any, usage: Any, *, calls: _ToolShape | None = None, prefix: str = "") -> Iterator[bytes]:
         obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
         def event(delta_text: str | None, reason: str | None, extra: dict[str, Any] | None = None,
-                  first: bool = False) -> bytes:
+                  first: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> bytes:
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
             if kind == "chat.completion":
                 choice["delta"] = {} if delta_text is None else {"content": delta_text}
+                if tool_calls:
+                    choice["delta"] = {"tool_calls": tool_calls}
                 if first:
                     choice["delta"]["role"] = "assistant"
             else:
@@ -231,12 +263,25 @@ class OpenAIEndpoint:
                 text, _stop = self._decode(ids, call.params)
                 if text.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 sequence: wait for the next token
+                text = prefix + text
+                if calls is not None:  # never stream what may become a tool call
+                    text = text[:calls.fmt.holdback(text)]
                 if len(text) > len(sent) and text.startswith(sent):
                     yield event(text[len(sent):], None)
                     sent = text
             text, gyre, reason = finish()
-            tail = text[len(sent):] if text.startswith(sent) else ""
-            yield event(tail, reason, {"usage": usage(), "gyre": gyre})
+            found: list[dict[str, Any]] = []
+            full = prefix + text
+            if calls is not None:
+                content, found = calls.shape(text)
+                if found:
+                    full, reason = content or "", "tool_calls"
+            tail = full[len(sent):] if full.startswith(sent) else ""
+            if found:
+                if tail:
+                    yield event(tail, None)
+                yield event(None, None, tool_calls=[{"index": k, **c} for k, c in enumerate(found)])
+            yield event(None if found else tail, reason, {"usage": usage(), "gyre": gyre})
             yield b"data: [DONE]\n\n"
         finally:
             gen.close()  # a client that left cancels the engine-side request
@@ -248,6 +293,23 @@ class OpenAIEndpoint:
             stop_text = self.tokenizer.decode([int(ids[-1])], skip_special_tokens=False)
             ids = ids[:-1]
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False), stop_text
+
+
+class _ToolShape:
+    """Turns a chat reply's text into (content, tool_calls) in the response's shape."""
+
+    def __init__(self, fmt: Any, prefix: str, raw: tools_mod.RawReplies) -> None:
+        self.fmt, self.prefix, self.raw = fmt, prefix, raw
+
+    def shape(self, output_text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        full = self.prefix + output_text
+        content, found = self.fmt.parse(full)
+        if not found:
+            return full, []
+        ids = [tools_mod.new_call_id() for _ in found]
+        self.raw.put(ids, full)  # the next turn's assistant message renders back to exactly this text
+        return content, [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                         for i, c in zip(ids, found)]
 
 
 def _finish_reason(reason: str) -> str:

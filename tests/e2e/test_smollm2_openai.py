@@ -189,3 +189,69 @@ def test_arith_eval_cli_on_the_real_model(tmp_path: Path) -> None:
     assert [r["task_id"] for r in report["results"]] == arith.task_ids(2, split="heldout",
                                                                          params=arith.ArithParams(turns=1))
     assert all(r["status"] == "finished" and len(r["replies"]) == 1 for r in report["results"])
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_openai_tool_calls_round_trip_as_one_trajectory_path(stack: Stack) -> None:
+    """The official client with tools: a forced call comes back as tool_calls (its forced opening is
+    prompt context, not output), the tool result goes back, the conversation stays one path,
+    streamed calls arrive as tool_calls deltas, and bad tool histories are 400s."""
+    client = openai.OpenAI(base_url=stack.http.base_url, api_key="unused", max_retries=0, timeout=300)
+    headers = {"x-gyre-execution-id": "ex-tools", "x-gyre-agent-id": "main"}
+    ids = {"return_token_ids": True}
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model=SERVED, messages=messages, tools=WEATHER, max_tokens=16, temperature=0, extra_headers=headers,
+        extra_body=ids, tool_choice={"type": "function", "function": {"name": "get_weather"}})  # type: ignore[arg-type]
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    g1 = first.model_extra["gyre"]
+    forced = stack.tokenizer('<tool_call>\n{"name": "get_weather", "arguments": ', add_special_tokens=False)
+    assert g1["prompt_ids"][-len(forced["input_ids"]):] == forced["input_ids"]  # context, not policy output
+    # the tools reached the model: SmolLM2's template has none, so the fallback system block lists them
+    prompt = stack.tokenizer.decode(g1["prompt_ids"])
+    assert "<tools>" in prompt and '"get_weather"' in prompt
+
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    stream = client.chat.completions.create(model=SERVED, messages=messages, tools=WEATHER, tool_choice="none",
+                                            max_tokens=8, temperature=0, stream=True, extra_headers=headers,
+                                            extra_body=ids)  # type: ignore[arg-type]
+    chunks = list(stream)
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    g2 = chunks[-1].model_extra["gyre"]
+    earlier = g1["prompt_ids"] + g1["output_ids"]
+    assert g2["prompt_ids"][: len(earlier)] == earlier  # the tool-call turn re-rendered to its exact ids
+
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And in Rome?"}]
+    stream = client.chat.completions.create(model=SERVED, messages=messages, tools=WEATHER, tool_choice="required",
+                                            max_tokens=16, temperature=0, stream=True, extra_headers=headers,
+                                            extra_body=ids)  # type: ignore[arg-type]
+    chunks = list(stream)
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"] and deltas[0].id.startswith("call_")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    g3 = chunks[-1].model_extra["gyre"]
+    earlier = g2["prompt_ids"] + g2["output_ids"]
+    assert g3["prompt_ids"][: len(earlier)] == earlier
+
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-tools", job_id="job-smol")
+    assert stats.num_calls == 3 and stats.paths == 1
+    assert stats.trainable_tokens == len(g1["output_ids"]) + len(g2["output_ids"]) + len(g3["output_ids"])
+
+    bad = [({"role": "tool", "tool_call_id": "call_nobody", "content": "x"}, "no earlier assistant message called"),
+           ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+               "name": "launch_rockets", "arguments": "{}"}}]}, "not in 'tools'")]
+    for message, why in bad:
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.chat.completions.create(model=SERVED, messages=[messages[0], message], tools=WEATHER,
+                                           max_tokens=2)  # type: ignore[arg-type, list-item]
+    with pytest.raises(openai.BadRequestError, match="not in 'tools'"):
+        client.chat.completions.create(model=SERVED, messages=messages[:1], tools=WEATHER, max_tokens=2,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})  # type: ignore[arg-type]
