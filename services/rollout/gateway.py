@@ -104,6 +104,9 @@ class GatewayCall:
     moves: list[MigrationReport] = field(default_factory=list)
     started_s: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    # The caller found a stop string: end the call as "stop" with only this many output tokens
+    # (set between two pieces; the record holds the cut output).
+    stop_at: int | None = None
     _source: PieceSource | None = None
 
     def cancel(self) -> None:
@@ -114,6 +117,15 @@ class GatewayCall:
 
     def output(self) -> tuple[np.ndarray, np.ndarray]:
         return concat(self.out_ids, np.int32), concat(self.out_logprobs, np.float32)
+
+    def _cut(self) -> None:
+        """Apply ``stop_at``: keep that many output tokens, finished as "stop"."""
+        assert self.stop_at is not None
+        ids, lps = self.output()
+        keep = max(0, min(self.stop_at, len(ids)))
+        self.out_ids, self.out_logprobs = [ids[:keep]], [lps[:keep]]
+        self.generated = keep
+        self.finish_reason = "stop"
 
     def result(self) -> CallResult:
         ids, lps = self.output()
@@ -264,6 +276,8 @@ class Gateway:
                     self._recover(call, exc, bound)
                     continue
                 if moved_to is None:
+                    if call.stop_at is not None:  # a stop string in the last piece: the record is cut too
+                        call._cut()
                     outcome = call.finish_reason
                     self._finish(call)
                     return
@@ -318,6 +332,10 @@ class Gateway:
             if len(fresh_ids):
                 yield Piece(call.request_id, fresh_ids, fresh_lps, offset,
                             weight_version=piece.weight_version, seed=call.seed)
+                if call.stop_at is not None:  # the caller saw a stop string: the engine stops here
+                    call._cut()
+                    call._source.cancel()
+                    return None
             if piece.migrated_to:
                 return piece.migrated_to
         if call.cancelled:

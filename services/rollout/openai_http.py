@@ -23,13 +23,16 @@ Errors are OpenAI-style JSON: 400 bad input, 401 bad bearer token, 404 unknown r
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import json
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -46,6 +49,8 @@ from services.rollout.gateway import Gateway
 
 log = get_logger(__name__)
 
+_CODES = {400: "invalid_request", 404: "not_found", 413: "request_too_large", 409: "aborted",
+          503: "service_unavailable", 504: "timeout"}
 _STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
            "RESOURCE_EXHAUSTED": 413, "UNAVAILABLE": 503, "ABORTED": 409, "DEADLINE_EXCEEDED": 504}
 
@@ -113,18 +118,9 @@ class OpenAIEndpoint:
     def _params(self, body: dict[str, Any]) -> SamplingParams:
         if body.get("model") not in (None, "", self.model_name):
             raise NotFound(f"model {body.get('model')!r} does not exist; this gateway serves {self.model_name!r}")
-        if body.get("n", 1) != 1:
-            raise InvalidArgument("only n=1 is supported")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
-        stop = body.get("stop")
         stop_ids = list(self.default_stop_ids) + [int(t) for t in body.get("stop_token_ids") or []]
-        if stop:
-            for s in [stop] if isinstance(stop, str) else stop:
-                ids = self.tokenizer(s, add_special_tokens=False)["input_ids"]
-                if len(ids) != 1:
-                    raise InvalidArgument(f"stop string {s!r} is {len(ids)} tokens; only single-token stops "
-                                          "are supported (or pass stop_token_ids)")
-                stop_ids.append(int(ids[0]))
+        stop_ids += self._stops(body)[0]
         seed = body.get("seed")
         try:
             return SamplingParams(temperature=float(body.get("temperature", 1.0)),
@@ -133,6 +129,47 @@ class OpenAIEndpoint:
                                   seed=None if seed is None else int(seed))
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"invalid sampling parameters: {exc}") from None
+
+    def _stops(self, body: dict[str, Any]) -> tuple[list[int], list[str]]:
+        """``stop``: single-token strings become stop ids (the engine stops on them); longer ones
+        are matched in the text (``_watch_stops``)."""
+        stop = body.get("stop")
+        if not stop:
+            return [], []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > 16 or not all(isinstance(s, str) and 0 < len(s) <= 256
+                                                                     for s in stops):
+            raise InvalidArgument("'stop' must be a string or a list of at most 16 strings of 1-256 characters")
+        ids, texts = [], []
+        for s in stops:
+            enc = self.tokenizer(s, add_special_tokens=False)["input_ids"]
+            if len(enc) == 1:
+                ids.append(int(enc[0]))
+            else:
+                texts.append(s)
+        return ids, texts
+
+    def _watch_stops(self, call: Any, pieces: Iterator[Piece], stops: list[str]) -> Iterator[Piece]:
+        """Pass ``pieces`` on; once the output text holds a stop string, end the call there: the
+        returned text stops before it and the recorded output is cut to the tokens before it."""
+        for piece in pieces:
+            yield piece
+            ids, _ = call.output()
+            text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            if hits and call.stop_at is None:
+                call.stop_at = self._tokens_within(ids, min(hits))
+
+    def _tokens_within(self, ids: np.ndarray, chars: int) -> int:
+        """The most leading tokens of ``ids`` whose text is at most ``chars`` characters."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self.tokenizer.decode(ids[:mid].tolist(), skip_special_tokens=False)) <= chars:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # -- calls -------------------------------------------------------------------------------
     def chat(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
@@ -189,8 +226,47 @@ class OpenAIEndpoint:
     def _run(self, kind: str, body: dict[str, Any], meta: CallMeta, params: SamplingParams,
              rendered: Rendered, remember: Any, *, calls: _ToolShape | None = None,
              prefix: str = "") -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        n = body.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise InvalidArgument(f"n must be an integer from 1 to {MAX_N}")
+        if n > 1:
+            return self._run_many(n, kind, body, meta, params, rendered, remember, calls=calls, prefix=prefix)
+        return self._run_one(kind, body, meta, params, rendered, remember, calls=calls, prefix=prefix)
+
+    def _run_many(self, n: int, kind: str, body: dict[str, Any], meta: CallMeta, params: SamplingParams,
+                  rendered: Rendered, remember: Any, *, calls: _ToolShape | None,
+                  prefix: str) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        """``n`` samples of one prompt: ``n`` gateway calls (own call ids and seeds) whose records
+        are sibling branches of the execution's tree; choices in index order."""
+        one = {**body, "n": 1}
+        subs = [(dataclasses.replace(meta, call_id=meta.call_id if i == 0 else f"{meta.call_id}.{i}"),
+                 params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
+                for i in range(n)]
+
+        def run(sub: tuple[CallMeta, SamplingParams]) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+            return self._run_one(kind, one, sub[0], sub[1], rendered, remember, calls=calls, prefix=prefix)
+
+        if body.get("stream"):
+            return None, _merge_streams([run(sub)[1] for sub in subs])  # type: ignore[misc]
+        with ThreadPoolExecutor(n, thread_name_prefix="openai-n") as pool:
+            results = [r for r, _ in pool.map(run, subs)]
+        merged: dict[str, Any] = dict(results[0])  # type: ignore[arg-type]
+        merged["choices"] = []
+        for i, r in enumerate(results):
+            assert r is not None
+            merged["choices"].append({**r["choices"][0], "index": i, "gyre": r["gyre"]})
+        done = sum(int(r["usage"]["completion_tokens"]) for r in results if r)
+        prompt = int(merged["usage"]["prompt_tokens"])
+        merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return merged, None
+
+    def _run_one(self, kind: str, body: dict[str, Any], meta: CallMeta, params: SamplingParams,
+                 rendered: Rendered, remember: Any, *, calls: _ToolShape | None = None,
+                 prefix: str = "") -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
         call = self.gateway.new_call(meta, params, prompt_ids=rendered.prompt_ids)
-        pieces = self.gateway.run(call)
+        text_stops = self._stops(body)[1]
+        engine_pieces = self.gateway.run(call)
+        pieces = self._watch_stops(call, engine_pieces, text_stops) if text_stops else engine_pieces
         created = int(time.time())
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + call.request_id
         want_ids = bool(body.get("return_token_ids"))
@@ -233,11 +309,14 @@ class OpenAIEndpoint:
         # Start the call now, so routing/validation errors still get a proper HTTP status.
         first = next(pieces, None)
         head = [first] if first is not None else []
-        return None, self._sse(kind, rid, created, call, itertools.chain(head, pieces), pieces, finish, usage,
-                               calls=calls, prefix=prefix)
+        opts = body.get("stream_options") or {}
+        return None, self._sse(kind, rid, created, call, itertools.chain(head, pieces), engine_pieces, finish, usage,
+                               calls=calls, prefix=prefix, text_stops=text_stops,
+                               include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")))
 
     def _sse(self, kind: str, rid: str, created: int, call: Any, pieces: Iterator[Piece], gen: Any,
-             finish: Any, usage: Any, *, calls: _ToolShape | None = None, prefix: str = "") -> Iterator[bytes]:
+             finish: Any, usage: Any, *, calls: _ToolShape | None = None, prefix: str = "",
+             text_stops: Sequence[str] = (), include_usage: bool = False) -> Iterator[bytes]:
         obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
 
         def event(delta_text: str | None, reason: str | None, extra: dict[str, Any] | None = None,
@@ -266,6 +345,8 @@ class OpenAIEndpoint:
                 text = prefix + text
                 if calls is not None:  # never stream what may become a tool call
                     text = text[:calls.fmt.holdback(text)]
+                if text_stops:  # nor what may be the start of a stop string
+                    text = text[:_stop_holdback(text, text_stops)]
                 if len(text) > len(sent) and text.startswith(sent):
                     yield event(text[len(sent):], None)
                     sent = text
@@ -282,6 +363,10 @@ class OpenAIEndpoint:
                     yield event(tail, None)
                 yield event(None, None, tool_calls=[{"index": k, **c} for k, c in enumerate(found)])
             yield event(None if found else tail, reason, {"usage": usage(), "gyre": gyre})
+            if include_usage:  # stream_options.include_usage: a last chunk with no choices and the usage
+                payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                           "usage": usage()}
+                yield f"data: {json.dumps(payload)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:
             gen.close()  # a client that left cancels the engine-side request
@@ -293,6 +378,77 @@ class OpenAIEndpoint:
             stop_text = self.tokenizer.decode([int(ids[-1])], skip_special_tokens=False)
             ids = ids[:-1]
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False), stop_text
+
+
+MAX_N = 16  # samples per request
+
+
+def _merge_streams(streams: list[Iterator[bytes]]) -> Iterator[bytes]:
+    """One SSE stream of several one-choice streams: each event's choice gets its stream's index;
+    usage-only events are summed into one; a single [DONE] at the end."""
+    out: queue.Queue[tuple[int, bytes | None]] = queue.Queue()
+    stop = threading.Event()
+
+    def pump(i: int, s: Iterator[bytes]) -> None:
+        try:
+            for chunk in s:
+                if stop.is_set():
+                    break
+                out.put((i, chunk))
+        except Exception as exc:  # deliberate: reported in-band like a single stream's failure
+            err = {"error": {"message": str(exc), "type": type(exc).__name__, "param": None, "code": "server_error"}}
+            out.put((i, f"data: {json.dumps(err)}\n\n".encode()))
+        finally:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
+            out.put((i, None))
+
+    for i, s in enumerate(streams):
+        threading.Thread(target=pump, args=(i, s), name=f"openai-n-{i}", daemon=True).start()
+    live = len(streams)
+    usage: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    try:
+        while live:
+            i, chunk = out.get()
+            if chunk is None:
+                live -= 1
+                continue
+            data = chunk.decode().removeprefix("data: ").strip()
+            if data == "[DONE]":
+                continue
+            event = json.loads(data)
+            if event.get("choices") == [] and "usage" in event:  # include_usage: merged below
+                u = event["usage"]
+                usage = u if usage is None else {**usage, "completion_tokens": usage["completion_tokens"] +
+                                                 u["completion_tokens"],
+                                                 "total_tokens": usage["total_tokens"] + u["completion_tokens"]}
+                last = event
+                continue
+            for c in event.get("choices", []):
+                c["index"] = i
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        if last is not None:
+            yield f"data: {json.dumps({**last, 'usage': usage})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        stop.set()
+
+
+def _stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Where streamed text must pause: at a stop string, or a suffix that may begin one."""
+    cut = len(text)
+    for s in stops:
+        i = text.find(s)
+        if i >= 0:
+            cut = min(cut, i)
+            continue
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if s.startswith(text[-k:]):
+                cut = min(cut, len(text) - k)
+                break
+    return cut
 
 
 class _ToolShape:
@@ -373,7 +529,7 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         self.close_connection = True
         self._json(401, {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
-                                   "param": None, "code": 401}})
+                                   "param": None, "code": "invalid_api_key"}})
         return False
 
     def _route(self) -> tuple[str, Any]:
@@ -432,7 +588,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             log.info("openai stream client went away")
         except Exception as exc:  # deliberate: report in-band, the status line is already sent
-            err = {"error": {"message": str(exc), "type": type(exc).__name__, "param": None, "code": None}}
+            err = {"error": {"message": str(exc), "type": type(exc).__name__, "param": None, "code": "server_error"}}
             self.wfile.write(f"data: {json.dumps(err)}\n\n".encode())
 
     def _drain_body(self) -> None:
@@ -482,7 +638,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, exc: BaseException) -> None:
         if isinstance(exc, SessionEnded):
-            self._json(410, {"error": {"message": str(exc), "type": "session_ended", "param": None, "code": 410}})
+            self._json(410, {"error": {"message": str(exc), "type": "invalid_request_error", "param": None,
+                                       "code": "session_ended"}})
             return
         if isinstance(exc, GyreError):
             status = _STATUS.get(exc.code.name, 500)
@@ -494,4 +651,4 @@ class _Handler(BaseHTTPRequestHandler):
         kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
                 503: "service_unavailable"}.get(status, "server_error")
         self._json(status, {"error": {"message": str(exc) or HTTPStatus(status).phrase, "type": kind,
-                                      "param": None, "code": status}})
+                                      "param": None, "code": _CODES.get(status, "server_error")}})

@@ -255,3 +255,63 @@ def test_openai_tool_calls_round_trip_as_one_trajectory_path(stack: Stack) -> No
     with pytest.raises(openai.BadRequestError, match="not in 'tools'"):
         client.chat.completions.create(model=SERVED, messages=messages[:1], tools=WEATHER, max_tokens=2,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})  # type: ignore[arg-type]
+
+
+def test_stop_strings_of_any_length_cut_the_text_and_the_recorded_tokens(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.http.base_url, api_key="unused", max_retries=0, timeout=300)
+    headers = {"x-gyre-execution-id": "ex-stop", "x-gyre-agent-id": "main"}
+    messages: list[Any] = [{"role": "user", "content": "Describe Paris in one sentence."}]
+    kw: dict[str, Any] = dict(model=SERVED, max_tokens=12, temperature=0, extra_headers=headers,
+                              extra_body={"return_token_ids": True})
+    free = client.chat.completions.create(messages=messages, **kw)
+    out = free.model_extra["gyre"]["output_ids"]
+    text = free.choices[0].message.content or ""
+    p = len(stack.tokenizer.decode(out[:3]))  # a stop string starting on the 4th token, several tokens long
+    stop = text[p:p + 10]
+    assert len(stack.tokenizer(stop, add_special_tokens=False)["input_ids"]) > 1 and text.find(stop) == p
+    cut = client.chat.completions.create(messages=messages, stop=[stop], **kw)
+    g = cut.model_extra["gyre"]
+    assert cut.choices[0].message.content == text[:p] and cut.choices[0].finish_reason == "stop"
+    assert g["output_ids"] == out[:3]  # the record holds exactly the tokens before the stop string
+    streamed = client.chat.completions.create(messages=messages, stop=stop, stream=True, **kw)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[:p]
+    assert chunks[-1].model_extra["gyre"]["output_ids"] == out[:3]
+    # the conversation goes on from the cut reply: one path, the cut output is a prefix of the next prompt
+    messages += [{"role": "assistant", "content": text[:p]}, {"role": "user", "content": "More."}]
+    nxt = client.chat.completions.create(messages=messages, **kw).model_extra["gyre"]
+    assert nxt["prompt_ids"][: len(g["prompt_ids"]) + 3] == g["prompt_ids"] + out[:3]
+    with pytest.raises(openai.BadRequestError, match="'stop' must be"):
+        client.chat.completions.create(messages=messages, stop=[""], **kw)
+
+
+def test_n_samples_are_sibling_branches_and_streams_report_usage(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.http.base_url, api_key="unused", max_retries=0, timeout=300)
+    messages: list[Any] = [{"role": "user", "content": "Name a colour."}]
+    resp = client.chat.completions.create(model=SERVED, messages=messages, n=3, max_tokens=6, temperature=1.0, seed=5,
+                                          extra_headers={"x-gyre-execution-id": "ex-n", "x-gyre-call-id": "c1"},
+                                          extra_body={"return_token_ids": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    gyres = [c.model_extra["gyre"] for c in resp.choices]
+    assert [g["call_id"] for g in gyres] == ["c1", "c1.1", "c1.2"]
+    assert len({tuple(g["prompt_ids"]) for g in gyres}) == 1  # one prompt, three samples
+    assert resp.usage is not None and resp.usage.completion_tokens == sum(len(g["output_ids"]) for g in gyres)
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-n", job_id="job-smol")
+    distinct = len({tuple(g["output_ids"]) for g in gyres})
+    assert stats.num_calls == 3 and stats.paths == distinct  # siblings under the shared prompt
+    assert stats.unique_tokens == len(gyres[0]["prompt_ids"]) + sum(len(o) for o in
+                                                                    {tuple(g["output_ids"]) for g in gyres})
+
+    chunks = list(client.chat.completions.create(
+        model=SERVED, messages=messages, n=2, max_tokens=4, stream=True, stream_options={"include_usage": True},
+        extra_headers={"x-gyre-execution-id": "ex-n2"}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert all(texts.values())
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="n must be") as bad:
+        client.chat.completions.create(model=SERVED, messages=messages, n=99, max_tokens=1)
+    assert bad.value.code == "invalid_request"
