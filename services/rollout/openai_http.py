@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP endpoint of the gateway: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models`` (stdlib ``http.server``, one thread per connection; streaming via SSE).
+``/v1/models``, and Anthropic's ``/v1/messages`` (``anthropic_http.py``) (stdlib ``http.server``,
+one thread per connection; streaming via SSE).
 
 Each request becomes one gateway call, so it is routed, migrated and recorded (TITO) exactly like
 a gRPC call. The prompt ids come from ``chat.PromptCache``: the chat template is rendered once and
@@ -44,6 +45,7 @@ from services.common.logging import get_logger
 from services.rollout.calls import CallMeta, Piece
 from services.rollout.chat import PromptCache, Rendered
 from services.rollout.engine import SamplingParams
+from services.rollout import anthropic_http as anthropic
 from services.rollout import tools as tools_mod
 from services.rollout.gateway import Gateway
 
@@ -200,6 +202,14 @@ class OpenAIEndpoint:
 
         calls = _ToolShape(fmt, prefix, self.raw_replies) if tools and choice.mode != "none" else None
         return self._run("chat.completion", body, meta, params, rendered, remember, calls=calls, prefix=prefix)
+
+    def messages(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        """Anthropic Messages (``/v1/messages``), served as the equivalent chat call."""
+        result, stream = self.chat(anthropic.to_chat(body), headers)
+        if stream is not None:
+            return None, anthropic.stream_from_chat(stream, self.model_name)
+        assert result is not None
+        return anthropic.from_chat(result, self.model_name), None
 
     def completion(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
         prompt = body.get("prompt")
@@ -524,13 +534,21 @@ class _Handler(BaseHTTPRequestHandler):
         token = self.server_ref.auth_token
         if not token:
             return True
-        given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
+        given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or \
+            (self.headers.get("x-api-key") or "").strip()  # (Anthropic clients send x-api-key)
         if hmac.compare_digest(given.encode(), token.encode()):
             return True
         self.close_connection = True
-        self._json(401, {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
-                                   "param": None, "code": "invalid_api_key"}})
+        if self._anthropic():
+            self._json(401, anthropic.error_body(401, "missing or wrong API key"))
+        else:
+            self._json(401, {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
+                                       "param": None, "code": "invalid_api_key"}})
         return False
+
+    def _anthropic(self) -> bool:
+        """A Messages API route: errors take that API's shape."""
+        return self.path.split("?")[0].rstrip("/").endswith("/v1/messages")
 
     def _route(self) -> tuple[str, Any]:
         """(route, the call's Gyre headers): a session URL's prefix is resolved and stripped."""
@@ -563,7 +581,8 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception:
                 self._drain_body()
                 raise
-            handler = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completion}.get(route)
+            handler = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completion,
+                       "/v1/messages": ep.messages}.get(route)
             if handler is None:
                 self._drain_body()
                 raise NotFound(f"no route POST {self.path}")
@@ -588,6 +607,9 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             log.info("openai stream client went away")
         except Exception as exc:  # deliberate: report in-band, the status line is already sent
+            if self._anthropic():
+                self.wfile.write(f"event: error\ndata: {json.dumps(anthropic.error_body(500, str(exc)))}\n\n".encode())
+                return
             err = {"error": {"message": str(exc), "type": type(exc).__name__, "param": None, "code": "server_error"}}
             self.wfile.write(f"data: {json.dumps(err)}\n\n".encode())
 
@@ -637,6 +659,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, exc: BaseException) -> None:
+        if self._anthropic():
+            status = 410 if isinstance(exc, SessionEnded) else _STATUS.get(exc.code.name, 500) \
+                if isinstance(exc, GyreError) else 400 if isinstance(exc, ValueError) else 500
+            if status == 500:
+                log.error("messages endpoint failed", exc_info=exc)
+            self._json(status, anthropic.error_body(status, str(exc) or HTTPStatus(status).phrase))
+            return
         if isinstance(exc, SessionEnded):
             self._json(410, {"error": {"message": str(exc), "type": "invalid_request_error", "param": None,
                                        "code": "session_ended"}})

@@ -315,3 +315,38 @@ def test_n_samples_are_sibling_branches_and_streams_report_usage(stack: Stack) -
     with pytest.raises(openai.BadRequestError, match="n must be") as bad:
         client.chat.completions.create(model=SERVED, messages=messages, n=99, max_tokens=1)
     assert bad.value.code == "invalid_request"
+
+
+def test_anthropic_sdk_messages_with_tools_and_streaming_is_one_path(stack: Stack) -> None:
+    """The official anthropic client against /v1/messages: a forced tool_use, its tool_result back,
+    a streamed answer; recorded as TITO like chat completions, one trajectory path."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=stack.http.base_url.removesuffix("/v1"), api_key="unused", max_retries=0,
+                                 default_headers={"x-gyre-execution-id": "ex-anthropic", "x-gyre-agent-id": "main"})
+    tools = [{"name": "get_weather", "description": "Current weather of a city.",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.messages.create(model=SERVED, max_tokens=16, system="You are terse.", messages=messages,
+                                   tools=tools, tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[arg-type]
+                                   extra_body={"temperature": 0})  # (this SDK has no temperature argument)
+    assert first.stop_reason == "tool_use" and first.role == "assistant"
+    use = [b for b in first.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "get_weather" and isinstance(use[0].input, dict)
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                               "content": "sunny, 21 C"}]}]
+    with client.messages.stream(model=SERVED, max_tokens=8, system="You are terse.", messages=messages,
+                                tools=tools, tool_choice={"type": "none"},  # type: ignore[arg-type]
+                                extra_body={"temperature": 0}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.stop_reason in ("end_turn", "max_tokens") and final.content[0].type == "text"
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-anthropic", job_id="job-smol")
+    assert stats.num_calls == 2 and stats.paths == 1  # the tool_use turn re-rendered to its exact ids
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        client.messages.create(model=SERVED, max_tokens=0, messages=messages[:1])
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
+        client.messages.create(model="claude-opus", max_tokens=4, messages=messages[:1])
