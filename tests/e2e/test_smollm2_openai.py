@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from protos.gyre.v1 import rollout_pb2_grpc
+from services.common.redis_store import connect
 from services.common.server import GyreServer, build_server
 from services.models.source import DEFAULT_CACHE, SMOLLM2
 from services.rollout.calls import CallMeta
@@ -36,6 +37,7 @@ from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
 from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
 from services.rollout.servicer import EngineServicer
 from services.rollout.tito import TitoForwarder
+from services.scheduler.sessions import Sessions
 from services.task import arith
 from services.task.harness import GatewayModelClient
 from services.trajectory.client import TrajectoryClient
@@ -56,6 +58,7 @@ class Stack:
     http: OpenAIServer
     forwarder: TitoForwarder
     trajectory: TrajectoryClient
+    redis_url: str
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +83,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     gw = start_gateway(on_record=forwarder.submit)
     gw.client().register_engine("cell-smol", engine_server.address)
     tokenizer = _load_tokenizer(GatewayConfig(tokenizer_path=SMOLLM2))
-    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol")
+    sessions = Sessions(connect(redis_srv.url))  # session base URLs, minted by a scheduler on this Redis
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol",
+                              sessions=sessions)
     http = OpenAIServer(endpoint, max_body_bytes=1 << 20).start()
+    sessions.publish_http_url(http.base_url)
     client = TrajectoryClient(traj.address)
-    yield Stack(engine, tokenizer, gw, http, forwarder, client)
+    yield Stack(engine, tokenizer, gw, http, forwarder, client, redis_srv.url)
     client.close()
     http.stop()
     gw.stop()
@@ -350,3 +356,47 @@ def test_anthropic_sdk_messages_with_tools_and_streaming_is_one_path(stack: Stac
         client.messages.create(model=SERVED, max_tokens=0, messages=messages[:1])
     with pytest.raises(anthropic.NotFoundError, match="does not exist"):
         client.messages.create(model="claude-opus", max_tokens=4, messages=messages[:1])
+
+
+def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack) -> None:
+    """Third-party agent code, unmodified: an openai-agents Agent with a function tool, through its
+    chat-completions model, configured with nothing but a lease's session base URL."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    from services.scheduler.jobs import Mode, TaskSource
+    from services.scheduler.orchestrator import Orchestrator
+    from tests.service.scheduler_support import in_process_scheduler, job_spec
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        asked.append(city)
+        return "sunny, 21 C"
+
+    class NoActuator:
+        def switch(self, *args: object, **kw: object) -> None:
+            raise AssertionError("no cells are registered")
+
+    with in_process_scheduler(stack.redis_url) as sched:
+        sched.client.submit_job(job_spec("agents-job", num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
+                                         tasks=TaskSource(payloads=(b"weather",))))
+        assert Orchestrator(sched.state, NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+        lease = sched.client.lease("agents-harness", job_id="agents-job")
+        assert lease is not None and lease.session_base_url
+        model = OpenAIChatCompletionsModel(model=SERVED, openai_client=openai.AsyncOpenAI(
+            base_url=lease.session_base_url, api_key="unused", max_retries=0))
+        agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model,
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=24, temperature=0),
+                      tool_use_behavior="stop_on_first_tool")
+        result = asyncio.run(Runner.run(agent, "What is the weather in Paris?"))
+        # the SDK called the tool with the model's arguments (a 135M model often writes arguments that do
+        # not fit the schema: the SDK then reports the tool's failure as the output)
+        assert result.final_output == "sunny, 21 C" if asked else "error" in str(result.final_output)
+        assert stack.forwarder.flush(timeout_s=60)
+        stats = stack.trajectory.execution_stats(lease.execution_id, job_id="agents-job")
+        assert stats.num_calls == 1 and stats.paths == 1 and stats.trainable_tokens > 0
