@@ -400,3 +400,36 @@ def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack
         assert stack.forwarder.flush(timeout_s=60)
         stats = stack.trajectory.execution_stats(lease.execution_id, job_id="agents-job")
         assert stats.num_calls == 1 and stats.paths == 1 and stats.trainable_tokens > 0
+
+
+# Like templates that drop earlier reasoning: an earlier assistant turn renders other than it was generated.
+FORGETFUL = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+             "{% if m['role'] == 'assistant' and not loop.last %}(earlier reply){% else %}{{ m['content'] }}{% endif %}"
+             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_rewrites_history_branches_instead_of_merging(stack: Stack) -> None:
+    tokenizer = _load_tokenizer(GatewayConfig(tokenizer_path=SMOLLM2))
+    tokenizer.chat_template = FORGETFUL
+    endpoint = OpenAIEndpoint(stack.gateway.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol")
+    http = OpenAIServer(endpoint).start()
+    try:
+        client = openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0, timeout=300)
+        kw: dict[str, Any] = dict(model=SERVED, max_tokens=6, temperature=0, extra_body={"return_token_ids": True},
+                                  extra_headers={"x-gyre-execution-id": "ex-forgetful"})
+        messages: list[Any] = [{"role": "user", "content": "Name a fruit."}]
+        first = client.chat.completions.create(messages=messages, **kw)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Another one."}]
+        second = client.chat.completions.create(messages=messages, **kw)
+    finally:
+        http.stop()
+    g1, g2 = first.model_extra["gyre"], second.model_extra["gyre"]
+    assert g2["reused_prompt_tokens"] == 0  # the re-render diverged: tokenized as it is now
+    assert g2["prompt_ids"] == tokenizer(tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    assert g2["prompt_ids"][: len(g1["prompt_ids"]) + len(g1["output_ids"])] != g1["prompt_ids"] + g1["output_ids"]
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-forgetful", job_id="job-smol")
+    assert stats.num_calls == 2 and stats.paths == 2  # a new branch, never silently merged into the first path
+    assert stats.trainable_tokens == len(g1["output_ids"]) + len(g2["output_ids"])  # both outputs, each exact
