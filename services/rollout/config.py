@@ -68,6 +68,8 @@ class GatewayConfig(ServerConfig):
     http_port: int = setting(-1, "OpenAI-compatible HTTP port; -1 = off, 0 = any free port.")
     http_host: str = setting("127.0.0.1", "Interface the HTTP endpoint binds.")
     http_max_body_mb: int = setting(64, "Largest HTTP request body, MiB (413 beyond).")
+    http_idle_timeout_s: float = setting(60.0, "An HTTP connection idle (or sending its request) this long is closed.")
+    http_max_connections: int = setting(4096, "HTTP connections served at once; more are answered 503 and closed.")
     http_advertise_url: str = setting("", "Base URL harnesses reach the HTTP endpoint at (sessions' base URLs "
                                           "extend it); empty = http://<this host towards Redis>:<port>/v1.")
     tokenizer_path: str = setting("", "HF tokenizer (with a chat template) for HTTP: a checkpoint directory or "
@@ -95,6 +97,8 @@ class GatewayConfig(ServerConfig):
             check(":" in a.split("=", 1)[-1], "engine_addresses", a, "'host:port' or 'cell_id=host:port'")
         check(self.tool_parser in ("auto", "hermes", "llama3_json"), "tool_parser", self.tool_parser,
               "auto, hermes or llama3_json")
+        check(self.http_idle_timeout_s > 0, "http_idle_timeout_s", self.http_idle_timeout_s, "> 0 seconds")
+        check(self.http_max_connections >= 1, "http_max_connections", self.http_max_connections, ">= 1")
         check(-1 <= self.http_port < 65536, "http_port", self.http_port, "-1, 0 or a port")
         check(self.http_max_body_mb >= 1, "http_max_body_mb", self.http_max_body_mb, "at least 1")
         check(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "at least 1")

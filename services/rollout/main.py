@@ -161,8 +161,10 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                                   prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions,
                                   tool_parser=cfg.tool_parser)
         http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
-                            max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token).start()
-        public = cfg.http_advertise_url or (f"http://{advertised_host(cfg.http_host, towards=cfg.redis_url)}:"
+                            max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token,
+                            idle_timeout_s=cfg.http_idle_timeout_s, max_connections=cfg.http_max_connections,
+                            tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file).start()
+        public = cfg.http_advertise_url or (f"{http.scheme}://{advertised_host(cfg.http_host, towards=cfg.redis_url)}:"
                                             f"{http.port}/v1")
         threading.Thread(target=_publish_http_url, args=(sessions, public), name="publish-http", daemon=True).start()
         log.info("openai endpoint", base_url=public)
@@ -170,7 +172,7 @@ def build_gateway(cfg: GatewayConfig) -> Built:
 
     def on_shutdown() -> None:
         if http is not None:
-            http.stop()
+            http.stop(cfg.grace_s)  # in-flight HTTP calls finish too
         server.stop(cfg.grace_s)  # in-flight calls get the grace period
         if forwarder is not None:
             forwarder.stop(timeout_s=cfg.grace_s)

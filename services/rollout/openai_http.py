@@ -29,6 +29,7 @@ import hmac
 import itertools
 import json
 import queue
+import ssl
 import threading
 import time
 import uuid
@@ -39,9 +40,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 
 from services.common.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
+from services.common.metrics import REGISTRY
 from services.rollout.calls import CallMeta, Piece
 from services.rollout.chat import PromptCache, Rendered
 from services.rollout.engine import SamplingParams
@@ -50,6 +53,8 @@ from services.rollout import tools as tools_mod
 from services.rollout.gateway import Gateway
 
 log = get_logger(__name__)
+CONN_REFUSED = Counter("gyre_gateway_http_refused_connections_total",
+                       "HTTP connections refused because max_connections were open.", registry=REGISTRY)
 
 _CODES = {400: "invalid_request", 404: "not_found", 413: "request_too_large", 409: "aborted",
           503: "service_unavailable", 504: "timeout"}
@@ -495,30 +500,87 @@ class SessionEnded(Exception):
     """A session URL whose execution ended or was leased again (HTTP 410)."""
 
 
+class _Limited(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once (more get 503 and are closed);
+    TLS when given a context (the handshake runs in the connection's thread)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, *, max_connections: int,
+                 tls: ssl.SSLContext | None) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.active = 0
+        self.idle = threading.Condition()
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            CONN_REFUSED.inc()
+            try:
+                body = json.dumps({"error": {"message": "too many open connections; retry later",
+                                             "type": "service_unavailable", "param": None,
+                                             "code": "service_unavailable"}}).encode()
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        with self.idle:
+            self.active += 1
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
+
+
 class OpenAIServer:
-    """``ThreadingHTTPServer`` around an ``OpenAIEndpoint``. Lifecycle: start() -> stop()."""
+    """The HTTP server around an ``OpenAIEndpoint``. Lifecycle: start() -> stop(grace_s).
+
+    Connections idle (or trickling a request) past ``idle_timeout_s`` are closed; at most
+    ``max_connections`` are served at once; TLS with ``tls_cert_file``/``tls_key_file``; stop()
+    refuses new connections and lets in-flight requests finish for up to ``grace_s``."""
 
     def __init__(self, endpoint: OpenAIEndpoint, *, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = 64 << 20, auth_token: str = "") -> None:
+                 max_body_bytes: int = 64 << 20, auth_token: str = "", idle_timeout_s: float = 60.0,
+                 max_connections: int = 4096, tls_cert_file: str = "", tls_key_file: str = "") -> None:
         self.endpoint = endpoint
         self.max_body_bytes = max_body_bytes
         self.auth_token = auth_token
-        handler = type("Handler", (_Handler,), {"server_ref": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        tls = None
+        if tls_cert_file:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.minimum_version = ssl.TLSVersion.TLSv1_2
+            tls.load_cert_chain(tls_cert_file, tls_key_file)
+        handler = type("Handler", (_Handler,), {"server_ref": self, "timeout": idle_timeout_s})
+        self.httpd = _Limited((host, port), handler, max_connections=max_connections, tls=tls)
+        self.scheme = "https" if tls is not None else "http"
         self.port = int(self.httpd.server_address[1])
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-http", daemon=True)
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.httpd.server_address[0]!s}:{self.port}/v1"
+        return f"{self.scheme}://{self.httpd.server_address[0]!s}:{self.port}/v1"
 
     def start(self) -> "OpenAIServer":
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        self.httpd.shutdown()
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.httpd.shutdown()  # no new connections
+        deadline = time.monotonic() + grace_s
+        with self.httpd.idle:
+            while self.httpd.active and time.monotonic() < deadline:
+                self.httpd.idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         self.httpd.server_close()
 
 
@@ -528,6 +590,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("http", request=format % args)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (TimeoutError, ssl.SSLError, ConnectionError) as exc:  # idle past the timeout, a bad handshake
+            log.debug("http connection closed", reason=type(exc).__name__)
 
     def _authorized(self) -> bool:
         """With an auth token configured, callers must send ``Authorization: Bearer <token>``."""

@@ -145,3 +145,47 @@ def test_bad_requests_get_openai_style_errors(stack: tuple[OpenAIServer, LocalGa
     long_prompt = list(range(1, 400)) * 3  # 1197 tokens > the 1024-token context
     status, body = raw(server, "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 2}).encode())
     assert status == 400 and "context" in body["error"]["message"]
+
+
+def test_idle_connections_are_closed_and_too_many_are_refused(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    import socket
+
+    _, gw, tok = stack
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny")
+    server = OpenAIServer(endpoint, idle_timeout_s=0.5, max_connections=2).start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(2)]
+        idle[0].sendall(b"GET /v1/mod")  # a request that never completes (a slow client)
+        over = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        over.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = over.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many open connections" in answer
+        for s in idle:  # both are closed by the server once idle past the timeout
+            assert s.recv(1) == b""
+        status, body = raw(server, "/v1/models", None, method="GET")  # their slots are free again
+        assert status == 200 and body["data"][0]["id"] == "gyre-tiny"
+    finally:
+        server.stop()
+
+
+def test_the_endpoint_serves_tls(stack: tuple[OpenAIServer, LocalGateway, Any], tmp_path: Any) -> None:
+    from tests.support.pki import make_pki
+
+    _, gw, tok = stack
+    pki = make_pki(tmp_path / "pki")
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny")
+    server = OpenAIServer(endpoint, host="127.0.0.1", tls_cert_file=str(pki / "node.pem"),
+                          tls_key_file=str(pki / "node.key")).start()
+    try:
+        assert server.base_url.startswith("https://")
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                               http_client=openai.DefaultHttpx2Client(verify=str(pki / "ca.pem")))
+        assert [m.id for m in client.models.list()] == ["gyre-tiny"]
+        reply = client.chat.completions.create(model="gyre-tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2, extra_headers=HEADERS)
+        assert reply.choices[0].message.content is not None
+        with pytest.raises(openai.APIConnectionError):  # plaintext clients do not get through
+            openai.OpenAI(base_url=server.base_url.replace("https", "http"), api_key="x",
+                          max_retries=0).models.list()
+    finally:
+        server.stop()
