@@ -12,6 +12,8 @@ import numpy as np
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
@@ -189,3 +191,49 @@ def test_the_endpoint_serves_tls(stack: tuple[OpenAIServer, LocalGateway, Any], 
                           max_retries=0).models.list()
     finally:
         server.stop()
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                        max_size=3), max_leaves=8)
+roles = st.sampled_from(["user", "assistant", "system", "tool", "boss", None])
+messages = st.lists(st.fixed_dictionaries({"role": roles}, optional={
+    "content": st.one_of(st.text(max_size=12), st.none(), json_values),
+    "tool_calls": st.lists(st.fixed_dictionaries({"id": st.text(max_size=4)}, optional={
+        "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "no such"]),
+                                           "arguments": st.text(max_size=6)})}), max_size=2),
+    "tool_call_id": st.text(max_size=4)}), max_size=4)
+tools = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "bad name", ""])})}), max_size=2)
+bodies = st.fixed_dictionaries({}, optional={
+    "messages": messages, "tools": tools, "n": st.integers(-1, 3), "stream": st.booleans(),
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3)),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "x"]),
+                             st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": st.text(max_size=3)})})),
+    "system": json_values, "max_tokens": st.integers(-1, 2), "temperature": st.floats(-1, 3)})
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/completions"]),
+       body=st.one_of(bodies, json_values))
+def test_fuzzed_requests_get_a_clear_answer_and_write_nothing_half(stack: tuple[OpenAIServer, LocalGateway, Any],
+                                                                   route: str, body: Any) -> None:
+    server, gw, _ = stack
+    if isinstance(body, dict):
+        body = {**body, "max_tokens": min(int(body.get("max_tokens", 1) or 1), 2) or 1}
+    before = len(gw.records)
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{route}", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json", **HEADERS})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, payload = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, payload = err.code, err.read()
+    assert status in (200, 400, 404), (status, payload[:300])
+    if status != 200:
+        err = json.loads(payload)
+        message = err["error"]["message"]
+        assert isinstance(message, str) and message  # one sentence in the API's own shape
+        assert len(gw.records) == before  # a refused call recorded nothing
+    for rec in gw.records[before:]:  # whatever ran is recorded whole
+        assert len(rec.output_ids) == len(rec.output_logprobs) and len(rec.prompt_ids) > 0
