@@ -274,6 +274,7 @@ class Launcher:
                     pass
             services[name] = {"address": svc["address"], "pid": svc["pid"], "alive": alive,
                               "serving": healthy, "restarts": svc.get("restarts", 0),
+                              "metrics_port": svc.get("metrics_port"),
                               "last_exit": svc.get("last_exit", ""), **svc.get("info", {})}
         sup = state.get("supervisor")
         out["supervisor"] = {"pid": sup["pid"], "alive": _pid_alive(sup["pid"])} if sup else None

@@ -88,6 +88,10 @@ class GatewayConfig(ServerConfig):
     call_cache_tokens: int = setting(16_000_000, "Tokens of recent calls kept for prompt deltas.")
     prompt_cache_tokens: int = setting(8_000_000, "Tokens of recent HTTP conversations kept for exact-id reuse.")
     tito_queue: int = setting(10_000, "TITO records buffered for the trajectory service before dropping.")
+    tito_encoder_tokens: int = setting(32_000_000, "Tokens the TITO delta encoder keeps (least recently used "
+                                                   "executions beyond are dropped: their calls go out whole).")
+    tito_forget_interval_s: float = setting(10.0, "How often executions the scheduler ended are dropped from the "
+                                                  "delta encoder, seconds.")
     tito_sync_timeout_s: float = setting(10.0, "A call's response waits this long for its TITO record to reach "
                                          "trajectory (so outcomes never overtake records); 0 = fully async.")
 
@@ -97,6 +101,8 @@ class GatewayConfig(ServerConfig):
             check(":" in a.split("=", 1)[-1], "engine_addresses", a, "'host:port' or 'cell_id=host:port'")
         check(self.tool_parser in ("auto", "hermes", "llama3_json"), "tool_parser", self.tool_parser,
               "auto, hermes or llama3_json")
+        check(self.tito_encoder_tokens >= 0, "tito_encoder_tokens", self.tito_encoder_tokens, ">= 0 (0: unbounded)")
+        check(self.tito_forget_interval_s > 0, "tito_forget_interval_s", self.tito_forget_interval_s, "> 0 seconds")
         check(self.http_idle_timeout_s > 0, "http_idle_timeout_s", self.http_idle_timeout_s, "> 0 seconds")
         check(self.http_max_connections >= 1, "http_max_connections", self.http_max_connections, ">= 1")
         check(-1 <= self.http_port < 65536, "http_port", self.http_port, "-1, 0 or a port")

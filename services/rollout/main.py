@@ -17,14 +17,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from protos.gyre.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.entry import Built, run_service
 from services.common.errors import GyreError
 from services.common.logging import get_logger
+from services.common.metrics import REGISTRY
 from services.common.server import advertised_host, build_server, wait_for_ready
 from services.rollout.config import EngineConfig, GatewayConfig
 
 log = get_logger(__name__)
+ENCODER_TOKENS = Gauge("gyre_gateway_tito_encoder_tokens", "Tokens the TITO delta encoder holds for live executions.",
+                       registry=REGISTRY)
+FORGOTTEN = Counter("gyre_gateway_tito_forgotten_executions_total",
+                    "Executions whose delta-encoder state was dropped because the scheduler ended them.",
+                    registry=REGISTRY)
 
 ENGINE_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 GATEWAY_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -93,12 +101,30 @@ def _tito_sink(cfg: GatewayConfig) -> Any:
     """``TrajectoryClient.ingest`` with per-execution delta encoding (resends are idempotent)."""
     from services.trajectory.client import TrajectoryClient
 
-    client = TrajectoryClient(cfg.trajectory_address, max_message_mb=cfg.max_message_mb)
+    client = TrajectoryClient(cfg.trajectory_address, max_message_mb=cfg.max_message_mb,
+                              encoder_tokens=cfg.tito_encoder_tokens)
 
     def sink(batch: list[Any]) -> None:
         client.ingest(batch, delta_encode=True)
 
+    sink.client = client  # type: ignore[attr-defined]  # the sweeper drops ended executions from it
     return sink
+
+
+def _forget_ended(client: Any, redis_client: Any, interval_s: float, stop: threading.Event) -> None:
+    """Every ``interval_s``: drop the delta-encoding state of executions the scheduler has ended,
+    so the gateway's memory returns to its baseline when they do."""
+    from services.scheduler.sessions import ended_executions
+
+    while not stop.wait(interval_s):
+        try:
+            held, _ = client.encoding()
+            for eid in ended_executions(redis_client, held) if held else []:
+                client.forget(eid)
+                FORGOTTEN.inc()
+            ENCODER_TOKENS.set(client.encoding()[1])
+        except Exception as exc:  # deliberate: Redis briefly away; the encoder stays bounded meanwhile
+            log.warning("dropping ended executions' encoder state failed; retrying", error=str(exc))
 
 
 def _load_tokenizer(cfg: GatewayConfig) -> Any:
@@ -129,9 +155,16 @@ def build_gateway(cfg: GatewayConfig) -> Built:
     from services.rollout.servicer import GatewayServicer
     from services.rollout.tito import TitoForwarder
 
+    from services.common.redis_store import connect
+
+    redis_client = connect(cfg.redis_url, check=False)  # the scheduler's: sessions, ended executions
     forwarder = None
+    sweeper_stop = threading.Event()
     if cfg.trajectory_address:
-        forwarder = TitoForwarder(_tito_sink(cfg), max_queue=cfg.tito_queue).start()
+        sink = _tito_sink(cfg)
+        forwarder = TitoForwarder(sink, max_queue=cfg.tito_queue).start()
+        threading.Thread(target=_forget_ended, args=(sink.client, redis_client, cfg.tito_forget_interval_s,
+                                                     sweeper_stop), name="forget-ended", daemon=True).start()
     gateway = Gateway(connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),
                       router=Router(sticky_slack=cfg.sticky_slack), call_cache=CallCache(max_tokens=cfg.call_cache_tokens),
                       on_record=_record_hook(forwarder, cfg.tito_sync_timeout_s), attach_wait_s=cfg.attach_wait_s,
@@ -152,10 +185,9 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
     http = None
     if cfg.http_port >= 0:
-        from services.common.redis_store import connect
         from services.scheduler.sessions import Sessions
 
-        sessions = Sessions(connect(cfg.redis_url, check=False))  # the scheduler's: it mints them
+        sessions = Sessions(redis_client)  # the scheduler's: it mints them
         endpoint = OpenAIEndpoint(gateway, tokenizer=_load_tokenizer(cfg), model_name=cfg.served_model_name,
                                   job_id=cfg.job_id, default_max_tokens=cfg.default_max_tokens,
                                   prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions,
@@ -171,6 +203,7 @@ def build_gateway(cfg: GatewayConfig) -> Built:
         server.info["http"] = public  # in the port file, so `gyre status` shows it
 
     def on_shutdown() -> None:
+        sweeper_stop.set()
         if http is not None:
             http.stop(cfg.grace_s)  # in-flight HTTP calls finish too
         server.stop(cfg.grace_s)  # in-flight calls get the grace period

@@ -85,6 +85,21 @@ class Sessions:
         return f"the session of execution {session.execution_id!r} ended: the execution is {state or 'gone'}"
 
 
+ENDED = frozenset({"finished", "timeout", "failed", "cancelled"})
+
+
+def ended_executions(client: Any, execution_ids: list[str], namespace: str = "sched") -> list[str]:
+    """Those of ``execution_ids`` that the scheduler has ended (for per-execution state elsewhere,
+    e.g. the gateway's delta encoder, to be dropped)."""
+    keys = Keys(namespace)
+    with client.pipeline(transaction=False) as pipe:
+        for eid in execution_ids:
+            pipe.hget(keys.execution(eid), "state")
+        states = pipe.execute()
+    return [e for e, s in zip(execution_ids, states)
+            if (s.decode() if isinstance(s, bytes) else s) in ENDED]
+
+
 def session_base_url(http_base_url: str, token: str) -> str:
     """``http://gateway:port/v1`` + token -> ``http://gateway:port/s/<token>/v1``."""
     root = http_base_url.rstrip("/").removesuffix("/v1")

@@ -80,10 +80,11 @@ class BatchStream:
 class TrajectoryClient(GrpcClient):
     """Client of the ``Trajectory`` service; thread-safe (one channel, a locked delta encoder)."""
 
-    def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, *, max_message_mb: int = 256, timeout_s: float = 60.0,
+                 encoder_tokens: int = 0) -> None:
         super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._stub = trajectory_pb2_grpc.TrajectoryStub(self._channel)
-        self._encoder = DeltaEncoder()
+        self._encoder = DeltaEncoder(max_tokens=encoder_tokens)  # 0: unbounded (forget ends executions)
         self._encoder_lock = threading.Lock()
 
     # ----------------------------------------------------------------- producers
@@ -108,6 +109,11 @@ class TrajectoryClient(GrpcClient):
         """Drop the client-side delta-encoding state of an ended execution."""
         with self._encoder_lock:
             self._encoder.forget(execution_id)
+
+    def encoding(self) -> tuple[list[str], int]:
+        """(executions the delta encoder holds state for, tokens it holds)."""
+        with self._encoder_lock:
+            return self._encoder.executions(), self._encoder.tokens
 
     def complete_execution(self, outcome: Outcome | common_pb2.ExecutionOutcome) -> tuple[bool, StepPlan]:
         """Report an execution's end; returns (was a duplicate, plan of its step)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -226,17 +227,42 @@ class DeltaEncoder:
     and, per agent, the last full sequence so the common case -- a prompt that extends the same
     agent's previous call -- is one vectorized compare. Anything else walks the trie from the
     root. Cost per call: O(prompt + output) vectorized compare, never a scan over earlier calls.
-    Call ``forget(execution_id)`` when an execution ends. Not thread-safe: one encoder per
-    sending thread, or a lock around it.
+    Call ``forget(execution_id)`` when an execution ends. With ``max_tokens`` the tries hold at
+    most that many tokens: the least recently used executions are dropped (their later calls go
+    out whole, or as the deltas they came as: still exact, only larger). Not thread-safe: one
+    encoder per sending thread, or a lock around it.
     """
 
-    def __init__(self) -> None:
-        self._executions: dict[str, _EncoderState] = {}
+    def __init__(self, max_tokens: int = 0) -> None:
+        self._executions: OrderedDict[str, _EncoderState] = OrderedDict()
+        self.max_tokens = max_tokens
+        self.tokens = 0  # held in every execution's trie and last sequences
+        self._dropped: OrderedDict[str, None] = OrderedDict()  # executions evicted for max_tokens (recent ones)
+
+    def _state(self, execution_id: str) -> _EncoderState:
+        state = self._executions.get(execution_id)
+        if state is None:
+            state = self._executions[execution_id] = _EncoderState()
+        self._executions.move_to_end(execution_id)
+        return state
+
+    def _grew(self, state: _EncoderState, tokens: int) -> None:
+        state.tokens += tokens
+        self.tokens += tokens
+        while self.max_tokens and self.tokens > self.max_tokens and len(self._executions) > 1:
+            oldest = next(iter(self._executions))
+            self.forget(oldest)
+            self._dropped[oldest] = None
+            while len(self._dropped) > 100_000:
+                self._dropped.popitem(last=False)
+
+    def executions(self) -> list[str]:
+        return list(self._executions)
 
     def encode(self, execution_id: str, call_id: str, prompt_ids: Any, output_ids: Any,
                agent_id: str = "") -> PromptDelta:
         """The delta form of the call's prompt; records the call as a future base."""
-        state = self._executions.setdefault(execution_id, _EncoderState())
+        state = self._state(execution_id)
         if call_id in state.deltas:  # a resend of the same call: same answer
             return state.deltas[call_id]
         prompt = token_array(prompt_ids, "prompt_ids")
@@ -260,6 +286,7 @@ class DeltaEncoder:
         state.deltas[call_id] = delta
         state.end_nodes[call_id] = end
         state.last_by_agent[agent_id] = (full, end)
+        self._grew(state, 2 * (len(full) - pos))  # the trie's new nodes + the agent's last sequence
         return delta
 
     def encode_call(self, call: TitoCall) -> TitoCall:
@@ -268,9 +295,9 @@ class DeltaEncoder:
         attempt's calls (the trajectory service drops those)."""
         state = self._executions.get(call.execution_id)
         if state is not None and call.attempt and call.attempt != state.attempt:
-            del self._executions[call.execution_id]
+            self.forget(call.execution_id)
         if call.attempt:
-            self._executions.setdefault(call.execution_id, _EncoderState()).attempt = call.attempt
+            self._state(call.execution_id).attempt = call.attempt
         if call.prompt_ids is None:
             self._record_delta_call(call)
             return call
@@ -280,13 +307,15 @@ class DeltaEncoder:
     def _record_delta_call(self, call: TitoCall) -> None:
         """Track an already delta-encoded call so later full prompts can use it as a base."""
         assert call.delta is not None
-        state = self._executions.setdefault(call.execution_id, _EncoderState())
+        state = self._state(call.execution_id)
         if call.call_id in state.deltas:
             return
         d = call.delta
         node = ROOT
         if d.base_call_id:
             if d.base_call_id not in state.end_nodes:
+                if call.execution_id in self._dropped:  # its base was dropped (max_tokens): pass it on untracked
+                    return
                 raise ValueError(f"call {call.call_id!r}: base call {d.base_call_id!r} was not seen by this encoder")
             base_end = state.end_nodes[d.base_call_id]
             if d.shared_prefix_len > state.trie.depth(base_end) + 1:
@@ -299,9 +328,12 @@ class DeltaEncoder:
         state.deltas[call.call_id] = d
         state.end_nodes[call.call_id] = end
         state.last_by_agent.pop(call.agent_id, None)
+        self._grew(state, len(seq))
 
     def forget(self, execution_id: str) -> None:
-        self._executions.pop(execution_id, None)
+        state = self._executions.pop(execution_id, None)
+        if state is not None:
+            self.tokens -= state.tokens
 
     def __contains__(self, execution_id: str) -> bool:
         return execution_id in self._executions
@@ -315,6 +347,7 @@ class _EncoderState:
     end_nodes: dict[str, int] = field(default_factory=dict)
     last_by_agent: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
     attempt: int = 0  # lease attempt of the calls seen (0: not given)
+    tokens: int = 0
 
 
 # --------------------------------------------------------------------------- JSONL

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,9 +90,25 @@ def test_the_external_harness_example_runs_a_submitted_job_and_it_is_trained(sta
     assert last["state"] == "completed" and last["weight_version"] == 1, watched[-5:]
     trained = [json.loads(x) for x in watched[:-1] if json.loads(x)["kind"] == "step_trained"]
     assert [int(e["step"]) for e in trained] == [0]
+    # the gateway keeps no per-execution state past an execution's end: its delta encoder drops
+    # the job's four ended executions and holds nothing more
+    port = status(stack)["services"]["gateway"]["metrics_port"]
+    deadline = time.monotonic() + 120
+    while (_gauge(port, "gyre_gateway_tito_forgotten_executions_total") or 0) < 4 or \
+            _gauge(port, "gyre_gateway_tito_encoder_tokens") != 0.0:
+        assert time.monotonic() < deadline, "the gateway still holds state of ended executions"
+        time.sleep(0.5)
 
 
 @pytest.mark.timeout(900)
+def _gauge(port: int, name: str) -> float | None:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return values[0] if values else None
+
+
 def test_a_job_of_another_checkpoint_has_the_engines_load_it(stack: Path, tmp_path: Path) -> None:
     """The engines were brought up serving builtin-tiny; a job naming a checkpoint directory (a copy
     of it: the architecture this 2-core test can afford twice) has every engine load that model before

@@ -222,3 +222,25 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     k = min(len(a), len(b))
     ne = np.flatnonzero(a[:k] != b[:k])
     return int(ne[0]) if ne.size else k
+
+
+def test_a_bounded_delta_encoder_drops_least_recent_executions_and_stays_exact() -> None:
+    def call(eid: str, cid: str, prompt: list[int], out: list[int]) -> TitoCall:
+        return TitoCall(execution_id=eid, call_id=cid, agent_id="main", role=Role.MAIN,
+                        prompt_ids=np.array(prompt, dtype=np.int32), output_ids=np.array(out, dtype=np.int32),
+                        output_logprobs=np.zeros(len(out), dtype=np.float32), weight_version=0)
+
+    enc = DeltaEncoder(max_tokens=40)
+    a1 = enc.encode_call(call("a", "a1", [1, 2, 3, 4], [5, 6]))
+    a2 = enc.encode_call(call("a", "a2", [1, 2, 3, 4, 5, 6, 7], [8]))
+    assert a1.delta is not None and a1.delta.base_call_id == "" and a2.delta is not None
+    assert (a2.delta.base_call_id, a2.delta.shared_prefix_len) == ("a1", 6)
+    assert enc.tokens == 2 * 6 + 2 * 2
+    for i in range(3):  # other executions push "a" out (least recently used)
+        enc.encode_call(call(f"b{i}", "x", list(range(10, 20)), [1]))
+    assert "a" not in enc.executions() and enc.tokens <= 40
+    a3 = enc.encode_call(call("a", "a3", [1, 2, 3, 4, 5, 6, 7, 8, 9], [1]))  # whole again: exact, only larger
+    assert a3.delta is not None and a3.delta.base_call_id == "" and len(a3.delta.new_ids) == 9
+    for eid in enc.executions():
+        enc.forget(eid)
+    assert enc.tokens == 0 and enc.executions() == []
