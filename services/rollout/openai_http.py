@@ -505,6 +505,7 @@ class _Limited(ThreadingHTTPServer):
     TLS when given a context (the handshake runs in the connection's thread)."""
 
     daemon_threads = True
+    request_queue_size = 4096  # the listen backlog (socketserver's default of 5 resets bursts of connections)
 
     def __init__(self, address: tuple[str, int], handler: Any, *, max_connections: int,
                  tls: ssl.SSLContext | None) -> None:

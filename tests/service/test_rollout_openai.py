@@ -237,3 +237,22 @@ def test_fuzzed_requests_get_a_clear_answer_and_write_nothing_half(stack: tuple[
         assert len(gw.records) == before  # a refused call recorded nothing
     for rec in gw.records[before:]:  # whatever ran is recorded whole
         assert len(rec.output_ids) == len(rec.output_logprobs) and len(rec.prompt_ids) > 0
+
+
+def test_a_burst_of_connections_is_served_not_reset(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    import threading
+
+    server, _, _ = stack
+    go, results = threading.Event(), []
+
+    def one() -> None:
+        go.wait()
+        results.append(raw(server, "/v1/models", None, method="GET")[0])
+
+    threads = [threading.Thread(target=one) for _ in range(300)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(60)
+    assert results == [200] * 300  # (a listen backlog of 5 reset most of such a burst)
