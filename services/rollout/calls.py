@@ -57,6 +57,9 @@ class Piece:
     seed: int = 0
     # Engine streams only: the request moved; continue with Attach at this address.
     migrated_to: str = ""
+    # int32[k, K] / float32[k, K]: each token position's K most likely ids (top_logprobs > 0)
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs), "one logprob per token"

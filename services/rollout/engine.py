@@ -33,6 +33,9 @@ FINISH_REASONS = ("stop", "length", "aborted", "migrated", "error")
 MAX_SEED = (1 << 64) - 1
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy (top_p/top_k/seed are then irrelevant)."""
@@ -43,8 +46,11 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # None: the engine picks one and reports it in TokenEvent.seed
+    top_logprobs: int = 0  # also report the this-many most likely tokens of each position (0..20)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -102,6 +108,10 @@ class TokenEvent:
     offset: int = 0
     # Seed the request samples with (the caller's, or the one the engine picked).
     seed: int = 0
+    # With params.top_logprobs = K: the K most likely ids of each position and their logprobs
+    # (int32[k, K], float32[k, K]; the same distribution the token's own logprob is from).
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 @dataclass

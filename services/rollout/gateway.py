@@ -95,6 +95,8 @@ class GatewayCall:
     cell_id: str = ""
     out_ids: list[np.ndarray] = field(default_factory=list)
     out_logprobs: list[np.ndarray] = field(default_factory=list)
+    out_top_ids: list[np.ndarray] = field(default_factory=list)  # [k, K] per piece (top_logprobs > 0)
+    out_top_lps: list[np.ndarray] = field(default_factory=list)
     generated: int = 0
     weight_version: int = -1
     seed: int = 0
@@ -118,11 +120,21 @@ class GatewayCall:
     def output(self) -> tuple[np.ndarray, np.ndarray]:
         return concat(self.out_ids, np.int32), concat(self.out_logprobs, np.float32)
 
+    def top_output(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each output position's K most likely ids and logprobs ([n, K]), when asked for."""
+        if not self.out_top_ids:
+            return None
+        ids, lps = np.concatenate(self.out_top_ids), np.concatenate(self.out_top_lps)
+        return (ids, lps) if len(ids) == self.generated else None  # (an engine that gives none)
+
     def _cut(self) -> None:
         """Apply ``stop_at``: keep that many output tokens, finished as "stop"."""
         assert self.stop_at is not None
         ids, lps = self.output()
         keep = max(0, min(self.stop_at, len(ids)))
+        tops = self.top_output()
+        if tops is not None:
+            self.out_top_ids, self.out_top_lps = [tops[0][:keep]], [tops[1][:keep]]
         self.out_ids, self.out_logprobs = [ids[:keep]], [lps[:keep]]
         self.generated = keep
         self.finish_reason = "stop"
@@ -316,6 +328,9 @@ class Gateway:
                     FIRST_TOKEN.observe(time.perf_counter() - call.started_s)
                 call.out_ids.append(fresh_ids)
                 call.out_logprobs.append(fresh_lps)
+                if piece.top_ids is not None and piece.top_logprobs is not None:
+                    call.out_top_ids.append(piece.top_ids[skip:])
+                    call.out_top_lps.append(piece.top_logprobs[skip:])
                 version = piece.weight_version
                 call.weight_version = version if call.weight_version < 0 else min(call.weight_version, version)
             call.seed = piece.seed or call.seed

@@ -135,10 +135,14 @@ class RequestChannel:
         if not run:
             return
         last = run[-1]
+        tops = [e.top_ids for e in run]
+        has_tops = all(t is not None for t in tops) and any(len(e.token_ids) for e in run)
         yield Piece(self.request_id, concat([e.token_ids for e in run], np.int32),
                     concat([e.logprobs for e in run], np.float32), run[0].offset,
                     finished=last.finished, finish_reason=last.finish_reason or "",
-                    weight_version=last.weight_version, seed=last.seed or self.seed)
+                    weight_version=last.weight_version, seed=last.seed or self.seed,
+                    top_ids=np.concatenate(tops) if has_tops else None,  # type: ignore[arg-type]
+                    top_logprobs=np.concatenate([e.top_logprobs for e in run]) if has_tops else None)  # type: ignore[misc]
 
 
 class EngineHost:

@@ -133,7 +133,7 @@ class OpenAIEndpoint:
             return SamplingParams(temperature=float(body.get("temperature", 1.0)),
                                   top_p=float(body.get("top_p", 1.0) or 1.0), top_k=int(body.get("top_k", 0) or 0),
                                   max_new_tokens=int(max_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)),
-                                  seed=None if seed is None else int(seed))
+                                  seed=None if seed is None else int(seed), top_logprobs=_top_n(body))
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"invalid sampling parameters: {exc}") from None
 
@@ -318,7 +318,7 @@ class OpenAIEndpoint:
             else:
                 choice["text"] = text
             if want_lp:
-                choice["logprobs"] = _logprobs(self.tokenizer, call.output(), kind)
+                choice["logprobs"] = _logprobs(self.tokenizer, call.output(), kind, call.top_output())
             return {"id": rid, "object": kind, "created": created, "model": self.model_name,
                     "choices": [choice], "usage": usage(), "gyre": gyre}, None
         # Start the call now, so routing/validation errors still get a proper HTTP status.
@@ -487,13 +487,32 @@ def _finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop" if reason == "" else reason
 
 
-def _logprobs(tokenizer: Any, output: tuple[np.ndarray, np.ndarray], kind: str) -> dict[str, Any]:
+def _top_n(body: dict[str, Any]) -> int:
+    """How many alternatives per position: chat ``top_logprobs`` (with ``logprobs: true``),
+    completions ``logprobs: N``."""
+    n = body.get("top_logprobs") if "messages" in body else body.get("logprobs")
+    if n is None or n is False or n is True:
+        return 0
+    if not isinstance(n, int) or not 0 <= n <= 20:
+        raise InvalidArgument(f"top_logprobs must be an integer from 0 to 20, got {n!r}")
+    return n
+
+
+def _logprobs(tokenizer: Any, output: tuple[np.ndarray, np.ndarray], kind: str,
+              tops: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
     ids, lps = output
     tokens = tokenizer.convert_ids_to_tokens(ids.tolist())
+    alt: list[list[tuple[str, float]]] = [[] for _ in tokens]
+    if tops is not None:
+        names = tokenizer.convert_ids_to_tokens(tops[0].reshape(-1).tolist())
+        k = tops[0].shape[1]
+        alt = [list(zip(names[i * k:(i + 1) * k], tops[1][i].tolist())) for i in range(len(tokens))]
     if kind == "chat.completion":
-        return {"content": [{"token": t, "logprob": float(lp), "bytes": None, "top_logprobs": []}
-                            for t, lp in zip(tokens, lps.tolist())]}
-    return {"tokens": tokens, "token_logprobs": lps.tolist(), "top_logprobs": None, "text_offset": None}
+        return {"content": [{"token": t, "logprob": float(lp), "bytes": None,
+                             "top_logprobs": [{"token": a, "logprob": float(v), "bytes": None} for a, v in top]}
+                            for t, lp, top in zip(tokens, lps.tolist(), alt)]}
+    return {"tokens": tokens, "token_logprobs": lps.tolist(),
+            "top_logprobs": [dict(top) for top in alt] if tops is not None else None, "text_offset": None}
 
 
 class SessionEnded(Exception):

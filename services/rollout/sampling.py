@@ -128,3 +128,22 @@ def _sample_truncated(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tens
     last_kept = keep.sum(dim=-1) - 1
     pos = torch.minimum(pos, last_kept)
     return order.gather(1, pos[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, temperatures: list[float],
+                 ks: list[int]) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Per row with ``ks[row] > 0``: the ids and logprobs (int32[k], float32[k]) of its k most
+    likely tokens under the distribution its token's own logprob is reported from
+    (``log_softmax(logits / T)``; greedy rows: of the logits); None for the other rows."""
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(ks)
+    rows = [i for i, k in enumerate(ks) if k]
+    if not rows:
+        return out
+    dev = logits.device
+    t = torch.tensor([temperatures[i] or 1.0 for i in rows], dtype=torch.float32, device=dev)
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float() / t[:, None], dim=-1)
+    values, ids = lp.topk(max(ks[i] for i in rows), dim=-1)
+    values_np, ids_np = values.cpu().numpy(), ids.cpu().numpy().astype(np.int32)
+    for j, row in enumerate(rows):
+        out[row] = (ids_np[j, : ks[row]], values_np[j, : ks[row]].astype(np.float32))
+    return out

@@ -58,7 +58,7 @@ from services.rollout.engine import (
     TokenEvent,
 )
 from services.rollout.kv_slots import SlotKV
-from services.rollout.sampling import counter_uniforms, pack_rng_state, sample_tokens, unpack_rng_state
+from services.rollout.sampling import counter_uniforms, pack_rng_state, sample_tokens, top_logprobs, unpack_rng_state
 
 log = get_logger(__name__)
 
@@ -122,6 +122,8 @@ class _Req:
     seed: int
     out_ids: np.ndarray  # int32[capacity]
     out_lp: np.ndarray  # float32[capacity]
+    out_top_ids: np.ndarray | None = None  # int32[capacity, K] when params.top_logprobs = K > 0
+    out_top_lp: np.ndarray | None = None
     versions: list[int] = field(default_factory=list)
     n_gen: int = 0
     emitted: int = 0
@@ -137,12 +139,18 @@ class _Req:
     def prompt_len(self) -> int:
         return int(self.req.prompt_ids.shape[0])
 
-    def append(self, token: int, logprob: float, version: int) -> None:
+    def append(self, token: int, logprob: float, version: int,
+               top: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         if self.n_gen == self.out_ids.shape[0]:
             self.out_ids = np.concatenate([self.out_ids, np.empty_like(self.out_ids)])
             self.out_lp = np.concatenate([self.out_lp, np.empty_like(self.out_lp)])
+            if self.out_top_ids is not None and self.out_top_lp is not None:
+                self.out_top_ids = np.concatenate([self.out_top_ids, np.zeros_like(self.out_top_ids)])
+                self.out_top_lp = np.concatenate([self.out_top_lp, np.zeros_like(self.out_top_lp)])
         self.out_ids[self.n_gen] = token
         self.out_lp[self.n_gen] = logprob
+        if top is not None and self.out_top_ids is not None and self.out_top_lp is not None:
+            self.out_top_ids[self.n_gen], self.out_top_lp[self.n_gen] = top
         self.n_gen += 1
         self.versions.append(version)
 
@@ -297,6 +305,9 @@ class TorchEngine(InferenceEngine):
         r = self._new_state(req, on_event, seed)
         r.out_ids[: len(gen)] = gen
         r.out_lp[: len(gen)] = state.generated_logprobs
+        if r.out_top_ids is not None and r.out_top_lp is not None and len(gen) > r.out_top_ids.shape[0]:
+            k = r.out_top_ids.shape[1]  # (the imported positions' tops were streamed by the source engine)
+            r.out_top_ids, r.out_top_lp = np.zeros((len(gen), k), np.int32), np.zeros((len(gen), k), np.float32)
         r.n_gen = len(gen)
         r.versions = [state.weight_version] * len(gen)
         r.emitted = len(gen)
@@ -408,8 +419,11 @@ class TorchEngine(InferenceEngine):
         if seed is None:
             seed = req.params.seed if req.params.seed is not None else _random_seed()
         cap = min(req.params.max_new_tokens, 1024)
+        k = req.params.top_logprobs
         return _Req(req=req, on_event=on_event, seed=seed,
-                    out_ids=np.empty(cap, np.int32), out_lp=np.empty(cap, np.float32))
+                    out_ids=np.empty(cap, np.int32), out_lp=np.empty(cap, np.float32),
+                    out_top_ids=np.zeros((cap, k), np.int32) if k else None,
+                    out_top_lp=np.zeros((cap, k), np.float32) if k else None)
 
     def _enqueue(self, cmd: _Cmd, request_id: str) -> None:
         with self._lock:
@@ -587,7 +601,8 @@ class TorchEngine(InferenceEngine):
             torch.tensor([params.top_p], device=self.device), torch.tensor([params.top_k], device=self.device),
             torch.from_numpy(u).to(self.device),
         )
-        r.append(int(tok[0]), float(lp[0]), self.weight_version)
+        tops = top_logprobs(out.logits[:, -1], [params.temperature], [params.top_logprobs])
+        r.append(int(tok[0]), float(lp[0]), self.weight_version, tops[0])
         TOKENS.inc()
         reason = self._finish_reason_one(r, int(tok[0]))
         if reason is not None:
@@ -636,6 +651,7 @@ class TorchEngine(InferenceEngine):
             "stops": stops,
             "max_new": np.array([r.req.params.max_new_tokens for r in rs], np.int64),
             "prompt_len": np.array([r.prompt_len for r in rs], np.int64),
+            "want_tops": any(r.req.params.top_logprobs for r in rs),
         }
         self._batch_dirty = False
 
@@ -658,13 +674,15 @@ class TorchEngine(InferenceEngine):
         tok_t, lp_t = sample_tokens(out.logits[:, -1], b["temperature"], b["top_p"], b["top_k"], u)
         tok = tok_t.cpu().numpy()
         lp = lp_t.cpu().numpy()
+        tops = (top_logprobs(out.logits[:, -1], [r.req.params.temperature for r in rs],
+                             [r.req.params.top_logprobs for r in rs]) if b["want_tops"] else [None] * len(rs))
         n_after = n_gen + 1
         stop = (b["stops"] == tok[:, None]).any(axis=1)
         length = (n_after >= b["max_new"]) | (b["prompt_len"] + n_after >= self.max_context)
         version = self.weight_version
         done: list[tuple[_Req, str]] = []
         for i, r in enumerate(rs):
-            r.append(int(tok[i]), float(lp[i]), version)
+            r.append(int(tok[i]), float(lp[i]), version, tops[i])
             if stop[i] or length[i]:
                 done.append((r, "stop" if stop[i] else "length"))
         TOKENS.inc(len(rs))
@@ -715,6 +733,8 @@ class TorchEngine(InferenceEngine):
             weight_version=version,
             offset=lo,
             seed=r.seed,
+            top_ids=None if r.out_top_ids is None else r.out_top_ids[lo:hi].copy(),
+            top_logprobs=None if r.out_top_lp is None else r.out_top_lp[lo:hi].copy(),
         )
         try:
             r.on_event(event)

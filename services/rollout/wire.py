@@ -53,7 +53,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         return SamplingParams(temperature=float(p.temperature), top_p=float(p.top_p) or 1.0,
                               top_k=int(p.top_k), max_new_tokens=int(p.max_new_tokens),
                               stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
-                              seed=int(p.seed) if p.has_seed else None)
+                              seed=int(p.seed) if p.has_seed else None, top_logprobs=int(p.top_logprobs))
     except ValueError as exc:
         raise InvalidArgument(f"invalid sampling params: {exc}") from None
 
@@ -61,7 +61,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
-                                     seed=s.seed or 0, has_seed=s.seed is not None)
+                                     seed=s.seed or 0, has_seed=s.seed is not None, top_logprobs=s.top_logprobs)
 
 
 def generate_request(request_id: str, meta: CallMeta, prompt_ids: np.ndarray,
@@ -72,16 +72,27 @@ def generate_request(request_id: str, meta: CallMeta, prompt_ids: np.ndarray,
 
 # -- streamed pieces ----------------------------------------------------------------------------
 def piece_to_proto(p: Piece) -> rollout_pb2.GenerateChunk:
-    return rollout_pb2.GenerateChunk(request_id=p.request_id, token_ids=p.token_ids.tolist(),
-                                     logprobs=p.logprobs.tolist(), offset=p.offset, finished=p.finished,
-                                     finish_reason=p.finish_reason, weight_version=p.weight_version,
-                                     migrated_to=p.migrated_to, seed=p.seed)
+    c = rollout_pb2.GenerateChunk(request_id=p.request_id, token_ids=p.token_ids.tolist(),
+                                  logprobs=p.logprobs.tolist(), offset=p.offset, finished=p.finished,
+                                  finish_reason=p.finish_reason, weight_version=p.weight_version,
+                                  migrated_to=p.migrated_to, seed=p.seed)
+    if p.top_ids is not None and p.top_logprobs is not None and p.top_ids.size:
+        c.top_k = int(p.top_ids.shape[1])
+        c.top_ids.extend(p.top_ids.reshape(-1).tolist())
+        c.top_logprobs.extend(p.top_logprobs.reshape(-1).tolist())
+    return c
 
 
 def piece_from_proto(c: rollout_pb2.GenerateChunk) -> Piece:
+    tops: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None)
+    if c.top_k > 0:
+        if len(c.top_ids) != c.top_k * len(c.token_ids) or len(c.top_logprobs) != len(c.top_ids):
+            raise InvalidArgument(f"chunk of {len(c.token_ids)} tokens has {len(c.top_ids)} top ids for top_k {c.top_k}")
+        tops = (ids(c.top_ids).reshape(-1, c.top_k), floats(c.top_logprobs).reshape(-1, c.top_k))
     return Piece(request_id=c.request_id, token_ids=ids(c.token_ids), logprobs=floats(c.logprobs),
                  offset=c.offset, finished=c.finished, finish_reason=c.finish_reason,
-                 weight_version=c.weight_version, seed=c.seed, migrated_to=c.migrated_to)
+                 weight_version=c.weight_version, seed=c.seed, migrated_to=c.migrated_to,
+                 top_ids=tops[0], top_logprobs=tops[1])
 
 
 # -- migration ----------------------------------------------------------------------------------

@@ -433,3 +433,24 @@ def test_a_template_that_rewrites_history_branches_instead_of_merging(stack: Sta
     stats = stack.trajectory.execution_stats("ex-forgetful", job_id="job-smol")
     assert stats.num_calls == 2 and stats.paths == 2  # a new branch, never silently merged into the first path
     assert stats.trainable_tokens == len(g1["output_ids"]) + len(g2["output_ids"])  # both outputs, each exact
+
+
+def test_top_logprobs_come_from_the_engine(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.http.base_url, api_key="unused", max_retries=0, timeout=300)
+    resp = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                          extra_headers={"x-gyre-execution-id": "ex-top"})
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and len(content) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    for item in content:
+        alts = item.top_logprobs
+        assert len(alts) == 3 and [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
+        # greedy: the chosen token is the most likely one, with the same logprob
+        assert alts[0].token == item.token and abs(alts[0].logprob - item.logprob) < 1e-4
+    text = client.completions.create(model=SERVED, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                     logprobs=2, extra_headers={"x-gyre-execution-id": "ex-top2"})
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and all(len(d) == 2 for d in lp.top_logprobs)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       logprobs=True, top_logprobs=50)
