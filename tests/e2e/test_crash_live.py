@@ -134,6 +134,16 @@ def _cells(data: Path) -> dict[str, dict]:
     return {c["cell_id"]: c for c in json.loads(gyre(data, "cells", "--json").stdout)}
 
 
+def _cordon_a_rollout_cell(data: Path) -> str:
+    """Cordon a cell that rolls out now (waiting for the job's policy to give it one)."""
+    deadline = time.monotonic() + 120
+    while not (rolling := [c for c, v in _cells(data).items() if v["role"] == "rollout" and not v["core"]]):
+        assert time.monotonic() < deadline, "no cell rolls out for the job"
+        time.sleep(0.2)
+    gyre(data, "cordon", rolling[0], "--reason", "crash test: a replica for this cell")
+    return rolling[0]
+
+
 def _switches_again(data: Path, before: int) -> None:
     """Once cell-1's agent is back, make the running job's policy switch cell-1, whatever role it
     holds: rolling out, it is cordoned (drained to training); training, the other cell is cordoned
@@ -181,6 +191,10 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         if moment == "leased":  # kill while executions of the step are in flight
             _until_running(stack, job_id)
         if moment == "joined":
+            # an operator cordons a rollout cell: the policy moves it to training, where the trainer
+            # core starts its replica, which joins the running step (no waiting for the policy to
+            # free a cell on its own)
+            _cordon_a_rollout_cell(stack)
             replica_id, before = _joined_replica(stack, lambda: watch.poll() is not None)
         os.kill(before, signal.SIGKILL)
         if victim == "cell-1":
@@ -190,7 +204,7 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
     finally:
         if watch.poll() is None:
             watch.kill()
-        if victim == "cell-1":
+        if victim in ("cell-1", "replica"):
             for cell in ("cell-1", "cell-2"):
                 gyre(stack, "uncordon", cell)
     last = events[-1]
