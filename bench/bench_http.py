@@ -34,6 +34,20 @@ LOADS = (100, 500)
 NEW_TOKENS = 4
 
 
+def _at_once(sessions: int, one: Any, start: threading.Event, lat: np.ndarray, ok: np.ndarray) -> dict[str, float]:
+    """Run ``one(i)`` for every session in its own thread, all released at once by ``start``."""
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    start.set()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"calls_s": sessions / wall, "p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "p99_ms": float(np.percentile(lat, 99) * 1e3), "ok": int(ok.sum())}
+
+
 def _http_load(port: int, sessions: int) -> dict[str, float]:
     lat = np.zeros(sessions)
     ok = np.zeros(sessions, dtype=bool)
@@ -53,16 +67,7 @@ def _http_load(port: int, sessions: int) -> dict[str, float]:
         lat[i] = time.perf_counter() - t0
         ok[i] = resp.status == 200 and data.rstrip().endswith(b"[DONE]")
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    t0 = time.perf_counter()
-    start.set()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"calls_s": sessions / wall, "p50_ms": float(np.percentile(lat, 50) * 1e3),
-            "p99_ms": float(np.percentile(lat, 99) * 1e3), "ok": int(ok.sum())}
+    return _at_once(sessions, one, start, lat, ok)
 
 
 def _grpc_load(stub: Any, tokenizer: Any, sessions: int) -> dict[str, float]:
@@ -87,16 +92,7 @@ def _grpc_load(stub: Any, tokenizer: Any, sessions: int) -> dict[str, float]:
         lat[i] = time.perf_counter() - t0
         ok[i] = n > 0
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    t0 = time.perf_counter()
-    start.set()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"calls_s": sessions / wall, "p50_ms": float(np.percentile(lat, 50) * 1e3),
-            "p99_ms": float(np.percentile(lat, 99) * 1e3), "ok": int(ok.sum())}
+    return _at_once(sessions, one, start, lat, ok)
 
 
 def _parse_cost() -> dict[str, float]:

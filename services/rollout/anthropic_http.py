@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.rollout.chat import text_parts
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                410: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
@@ -29,19 +30,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for b in content:
-            if not isinstance(b, dict) or b.get("type") != "text":
-                raise InvalidArgument(f"{where}: only text blocks are supported here")
-            parts.append(str(b.get("text", "")))
-        return "".join(parts)
-    raise InvalidArgument(f"{where} must be a string or a list of text blocks")
 
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +42,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidArgument("messages: a non-empty list is required")
     out: list[dict[str, Any]] = []
     if body.get("system"):
-        out.append({"role": "system", "content": _text(body["system"], "system")})
+        out.append({"role": "system", "content": text_parts(body["system"], "system")})
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("user", "assistant"):
@@ -76,7 +64,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
             elif kind == "tool_result" and role == "user":
                 result = b.get("content", "")
                 out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                            "content": _text(result, f"messages.{i}.content.{j}.content") if result else ""})
+                            "content": text_parts(result, f"messages.{i}.content.{j}.content") if result else ""})
             else:
                 raise InvalidArgument(f"messages.{i}.content.{j}: block type {kind!r} is not supported in a "
                                       f"{role} message")

@@ -73,18 +73,21 @@ def canonical(message: Message) -> str:
 def content_text(message: Message) -> str:
     """A message's content as one string (OpenAI allows a list of text parts)."""
     content = message.get("content")
-    if content is None:
-        return ""
+    return "" if content is None else text_parts(content, "message content")
+
+
+def text_parts(content: Any, where: str) -> str:
+    """A string, or a list of ``{"type": "text", "text": ...}`` parts, as one string."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidArgument("only text content parts are supported")
+                raise InvalidArgument(f"{where}: only text parts are supported")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
-    raise InvalidArgument("message content must be a string or a list of text parts")
+    raise InvalidArgument(f"{where} must be a string or a list of text parts")
 
 
 class PromptCache:

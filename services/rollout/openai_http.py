@@ -56,7 +56,7 @@ log = get_logger(__name__)
 CONN_REFUSED = Counter("gyre_gateway_http_refused_connections_total",
                        "HTTP connections refused because max_connections were open.", registry=REGISTRY)
 
-_CODES = {400: "invalid_request", 404: "not_found", 413: "request_too_large", 409: "aborted",
+_CODES = {400: "invalid_request", 404: "not_found", 410: "session_ended", 413: "request_too_large", 409: "aborted",
           503: "service_unavailable", 504: "timeout"}
 _STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
            "RESOURCE_EXHAUSTED": 413, "UNAVAILABLE": 503, "ABORTED": 409, "DEADLINE_EXCEEDED": 504}
@@ -747,25 +747,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, exc: BaseException) -> None:
-        if self._anthropic():
-            status = 410 if isinstance(exc, SessionEnded) else _STATUS.get(exc.code.name, 500) \
-                if isinstance(exc, GyreError) else 400 if isinstance(exc, ValueError) else 500
-            if status == 500:
-                log.error("messages endpoint failed", exc_info=exc)
-            self._json(status, anthropic.error_body(status, str(exc) or HTTPStatus(status).phrase))
-            return
         if isinstance(exc, SessionEnded):
-            self._json(410, {"error": {"message": str(exc), "type": "invalid_request_error", "param": None,
-                                       "code": "session_ended"}})
-            return
-        if isinstance(exc, GyreError):
+            status = 410
+        elif isinstance(exc, GyreError):
             status = _STATUS.get(exc.code.name, 500)
         elif isinstance(exc, ValueError):
             status = 400
         else:
             status = 500
-            log.error("openai endpoint failed", exc_info=exc)
-        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-                503: "service_unavailable"}.get(status, "server_error")
-        self._json(status, {"error": {"message": str(exc) or HTTPStatus(status).phrase, "type": kind,
-                                      "param": None, "code": _CODES.get(status, "server_error")}})
+            log.error("http endpoint failed", exc_info=exc)
+        message = str(exc) or HTTPStatus(status).phrase
+        if self._anthropic():
+            self._json(status, anthropic.error_body(status, message))
+            return
+        kind = {400: "invalid_request_error", 404: "not_found_error", 410: "invalid_request_error",
+                413: "request_too_large", 503: "service_unavailable"}.get(status, "server_error")
+        self._json(status, {"error": {"message": message, "type": kind, "param": None,
+                                      "code": _CODES.get(status, "server_error")}})

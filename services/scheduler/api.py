@@ -232,12 +232,19 @@ class SchedulerApi:
 
     def _with_session(self, lease: Lease) -> Lease:
         """The lease with its main agent's session (token and base URL)."""
-        record = eval_job_id(lease.job_id) if lease.evaluation else lease.job_id
-        token = self.sessions.mint(job_id=record, execution_id=lease.execution_id, agent_id="main", role="main",
-                                   attempt=lease.attempt, ttl_s=lease.deadline_s - self.state.clock() + 60)
+        token, url = self._mint(lease.job_id, lease.evaluation, lease.execution_id, "main", "main", lease.attempt,
+                                lease.deadline_s)
+        return dataclasses.replace(lease, session_token=token, session_base_url=url)
+
+    def _mint(self, job_id: str, evaluation: bool, execution_id: str, agent_id: str, role: str, attempt: int,
+              deadline_s: float) -> tuple[str, str]:
+        """A session of one agent of a leased execution, live until a minute past its deadline:
+        (token, base URL; "" while no gateway published its endpoint)."""
+        token = self.sessions.mint(job_id=eval_job_id(job_id) if evaluation else job_id, execution_id=execution_id,
+                                   agent_id=agent_id, role=role, attempt=attempt,
+                                   ttl_s=deadline_s - self.state.clock() + 60)
         base = self.sessions.http_url()
-        return dataclasses.replace(lease, session_token=token,
-                                   session_base_url=session_base_url(base, token) if base else "")
+        return token, session_base_url(base, token) if base else ""
 
     def mint_session(self, execution_id: str, lease_token: str, agent_id: str, role: str) -> tuple[str, str]:
         """Another agent's session of a leased execution: (token, base URL)."""
@@ -247,13 +254,10 @@ class SchedulerApi:
         if role not in SESSION_ROLES:
             raise InvalidArgument(f"role is {role!r}; expected one of {', '.join(SESSION_ROLES)}")
         job_id, attempt, evaluation = self.state.current_lease(execution_id, lease_token)
-        record = eval_job_id(job_id) if evaluation else job_id
-        deadline = self.state.execution(execution_id).deadline_s
-        token = self.sessions.mint(job_id=record, execution_id=execution_id, agent_id=agent_id, role=role,
-                                   attempt=attempt, ttl_s=deadline - self.state.clock() + 60)
-        base = self.sessions.http_url()
+        minted = self._mint(job_id, evaluation, execution_id, agent_id, role, attempt,
+                            self.state.execution(execution_id).deadline_s)
         log.info("session minted", execution_id=execution_id, agent_id=agent_id, role=role)
-        return token, session_base_url(base, token) if base else ""
+        return minted
 
     def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
         """A worker (re)starting under ``worker_id`` gives up every lease that id holds: its
