@@ -127,6 +127,21 @@ def _forget_ended(client: Any, redis_client: Any, interval_s: float, stop: threa
             log.warning("dropping ended executions' encoder state failed; retrying", error=str(exc))
 
 
+def _follow_cordons(router: Any, redis_client: Any, interval_s: float, stop: threading.Event) -> None:
+    """Every ``interval_s``: route no new call to the cells the scheduler's registry says an
+    operator cordoned (so what they host only shrinks and the scheduler's drain of them is quick)."""
+    from services.scheduler.sessions import cordoned_cells
+
+    while not stop.wait(interval_s):
+        try:
+            cordoned = cordoned_cells(redis_client)
+        except Exception as exc:  # deliberate: Redis briefly away; the last known set stays
+            log.warning("reading cordoned cells failed; retrying", error=str(exc))
+            continue
+        if router.set_cordoned(cordoned):
+            log.info("cordoned cells changed", cordoned=sorted(cordoned))
+
+
 def _load_tokenizer(cfg: GatewayConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -169,6 +184,8 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                       router=Router(sticky_slack=cfg.sticky_slack), call_cache=CallCache(max_tokens=cfg.call_cache_tokens),
                       on_record=_record_hook(forwarder, cfg.tito_sync_timeout_s), attach_wait_s=cfg.attach_wait_s,
                       max_recoveries=cfg.max_recoveries, probe_interval_s=cfg.probe_interval_s).start()
+    threading.Thread(target=_follow_cordons, args=(gateway.router, redis_client, cfg.probe_interval_s / 4,
+                                                   sweeper_stop), name="follow-cordons", daemon=True).start()
     for spec in cfg.engine_addresses:
         cell_id, _, address = spec.rpartition("=")
         if not cell_id:  # ask the engine its cell id: it must be up now

@@ -4,6 +4,9 @@ Each registered ROLLOUT cell is an ``EngineEntry``. ``Router.pick`` chooses the 
 
 - only ``ready`` engines are candidates (``draining`` ones finish or migrate what they have,
   ``dead`` ones failed their health probes or a stream broke);
+- cells an operator cordoned (``set_cordoned``, which the gateway follows from the scheduler's
+  registry) get no new call while an uncordoned engine is ready, so the work they host only
+  shrinks and the scheduler can drain them; they still serve when nothing else can;
 - calls of the same agent context ``(execution_id, agent_id)`` stick to the engine that served
   them last, so the engine's prefix cache sees the growing context again - unless that engine
   is more than ``sticky_slack`` calls busier than the least loaded one;
@@ -51,6 +54,7 @@ class EngineEntry:
     max_context: int = 0
     model_name: str = ""
     failed_probes: int = 0
+    cordoned: bool = False  # an operator cordoned its cell: new calls go elsewhere while they can
     registered_at_s: float = field(default_factory=time.time)
 
     def score(self) -> float:
@@ -73,6 +77,7 @@ class Router:
         self._sticky: OrderedDict[StickyKey, str] = OrderedDict()
         self._lock = threading.Lock()
         self._rotation = itertools.count()
+        self._cordoned: frozenset[str] = frozenset()
 
     # -- registry ---------------------------------------------------------------------------
     def register(self, cell_id: str, address: str) -> EngineEntry:
@@ -85,7 +90,8 @@ class Router:
             entry = self._engines.get(cell_id)
             if entry is None or entry.address != address:
                 in_flight = entry.in_flight if entry is not None else 0
-                entry = EngineEntry(cell_id=cell_id, address=address, in_flight=in_flight)
+                entry = EngineEntry(cell_id=cell_id, address=address, in_flight=in_flight,
+                                    cordoned=cell_id in self._cordoned)
                 self._engines[cell_id] = entry
             entry.state = READY
             entry.failed_probes = 0
@@ -125,6 +131,26 @@ class Router:
                 raise NotFound(f"no engine is registered for cell {cell_id!r}")
             entry.state = state
 
+    def set_cordoned(self, cell_ids: Iterable[str]) -> bool:
+        """The cells cordoned now (the whole set); whether it changed."""
+        cordoned = frozenset(cell_ids)
+        with self._lock:
+            changed = cordoned != self._cordoned
+            self._cordoned = cordoned
+            for entry in self._engines.values():
+                entry.cordoned = entry.cell_id in cordoned
+        return changed
+
+    def cordoned(self) -> frozenset[str]:
+        with self._lock:
+            return self._cordoned
+
+    def _routable(self, excluded: set[str]) -> list[EngineEntry]:
+        """Ready engines not excluded, uncordoned ones only while there are any (lock held)."""
+        ready = [e for e in self._engines.values() if e.state == READY and e.cell_id not in excluded]
+        open_ = [e for e in ready if not e.cordoned]
+        return open_ or ready
+
     def record_probe(self, cell_id: str, *, ok: bool, dead_after: int = 3, draining: bool = False,
                      **load: int | str) -> None:
         """Fold one health/load probe into the entry; ``dead_after`` failures in a row mark it dead,
@@ -151,8 +177,7 @@ class Router:
         """Choose the engine for a call and count it in flight there (release with ``release``)."""
         excluded = set(exclude)
         with self._lock:
-            candidates = [e for e in self._engines.values()
-                          if e.state == READY and e.cell_id not in excluded]
+            candidates = self._routable(excluded)
             if not candidates:
                 known = ", ".join(f"{e.cell_id}={e.state}" for e in self._engines.values()) or "none"
                 raise Unavailable(f"no rollout engine is available (registered: {known})")
@@ -179,8 +204,7 @@ class Router:
         counting the ones already planned (no side effects; [] when no engine is ready)."""
         excluded = set(exclude)
         with self._lock:
-            loads = {e.cell_id: e.score() for e in self._engines.values()
-                     if e.state == READY and e.cell_id not in excluded}
+            loads = {e.cell_id: e.score() for e in self._routable(excluded)}
         if not loads:
             return []
         out = []

@@ -104,3 +104,15 @@ def session_base_url(http_base_url: str, token: str) -> str:
     """``http://gateway:port/v1`` + token -> ``http://gateway:port/s/<token>/v1``."""
     root = http_base_url.rstrip("/").removesuffix("/v1")
     return f"{root}/s/{token}/v1"
+
+
+def cordoned_cells(client: Any, namespace: str = "sched") -> set[str]:
+    """Cells an operator cordoned in the scheduler's registry (the gateway routes no new call to
+    them while another engine can take it)."""
+    keys = Keys(namespace)
+    ids = [c.decode() if isinstance(c, bytes) else c for c in client.smembers(keys.cells)]
+    with client.pipeline(transaction=False) as pipe:
+        for cid in ids:
+            pipe.hget(keys.cell(cid), "cordon_reason")
+        reasons = pipe.execute()
+    return {cid for cid, reason in zip(ids, reasons) if reason}

@@ -156,8 +156,17 @@ def _switches_again(data: Path, before: int) -> None:
     cordon, target = ("cell-1", "train") if role == "rollout" else ("cell-2", "rollout")
     gyre(data, "cordon", cordon, "--reason", "crash test: switch cell-1 again")
     while _cells(data)["cell-1"]["role"] != target:
-        assert time.monotonic() < deadline, f"cell-1 did not switch from {role} to {target}"
+        assert time.monotonic() < deadline, (f"cell-1 did not switch from {role} to {target}", _cells(data),
+                                             _switch_log(data))
         time.sleep(0.2)
+
+
+def _switch_log(data: Path, last: int = 12) -> list[str]:
+    """The scheduler's last switch, cordon and refusal lines (why a cell did not move)."""
+    keep = ("switch", "cordon", "refused", "drain")
+    lines = [line for line in (data / "logs" / "scheduler.log").read_text(errors="replace").splitlines()
+             if line.startswith("{") and any(k in json.loads(line).get("event", "") for k in keep)]
+    return [line[:400] for line in lines[-last:]]
 
 
 # when to kill: "leased" once executions of the first step run, "trained" right after step 0 is

@@ -2,7 +2,8 @@
 
 Asserts the pipeline, not the learning (that is `make run`'s job, measured in its report):
 executions complete, TITO records arrive and are packed as trees, steps are applied and the weight
-version advances, cells switch ROLLOUT->TRAIN mid-run, and in-flight requests are migrated.
+version advances, cells switch ROLLOUT->TRAIN mid-run, and in-flight requests are migrated (an
+operator's `cordon` of a busy rollout cell makes the policy drain one, see tests/support/cordoner.py).
 
 A background client keeps long generations in flight on the gateway, as a long-context harness
 call would, so a drain has something to migrate (that a migrated continuation is token-identical
@@ -18,6 +19,7 @@ import pytest
 
 from services.run import TASK_FILES, RunConfig, run_job
 from services.scheduler.jobfile import load_job
+from tests.support.cordoner import Cordoner
 from tests.support.longcalls import LongCalls
 
 
@@ -29,8 +31,12 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
                                              "--group_size", "2", "--evaluation.tasks", "4", "--evaluation.every", "1"])
     lines: list[str] = []
     long_calls = LongCalls()
-    result = run_job(cfg, spec, echo=lambda m: (lines.append(m), long_calls.maybe_start(m)))
+    # an operator cordons a busy rollout cell mid-step: the policy drains it (its requests migrate)
+    # and moves it to training, whether or not it would have freed a busy cell on its own
+    cordoner = Cordoner()
+    result = run_job(cfg, spec, echo=lambda m: (lines.append(m), long_calls.maybe_start(m), cordoner.on_line(m)))
     long_calls.stop()
+    cordoner.stop()
 
     assert result.final_state == "completed", lines
     assert len(result.steps) == spec.num_steps
@@ -39,6 +45,7 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
         assert row["tree_tokens"] > 0 and row["naive_tokens"] >= row["tree_tokens"]
     assert any(s["from"] == "rollout" and s["to"] == "train" for s in result.switches), result.switches
     assert all(s["duration_s"] > 0 for s in result.switches), result.switches
+    assert not cordoner.error and cordoner.migrated >= 1, (cordoner.error, cordoner.cordons)
     assert sum(result.migrations.values()) >= 1, result.migrations
     assert long_calls.completed >= 1 and long_calls.failed == 0
     assert [e["step"] for e in result.evals] == [0, 1, 2]  # the scheduler's rounds: start, each step, end

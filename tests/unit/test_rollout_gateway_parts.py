@@ -66,6 +66,25 @@ def test_router_plans_targets_by_load_without_side_effects() -> None:
         r.register("x", "nohost")
 
 
+def test_router_sends_no_new_call_to_a_cordoned_cell_while_another_can_take_it() -> None:
+    r = Router()
+    for c in "ab":
+        r.register(c, f"h:{ord(c)}")
+    assert r.pick(("e1", "main"), exclude=()).cell_id == "a"  # e1's context lives on a
+    assert r.set_cordoned({"a"}) and not r.set_cordoned({"a"})
+    # neither a new context nor e1's next call (it re-prefills on b), nor a migration, goes to a
+    assert {r.pick(("e1", "main")).cell_id for _ in range(3)} == {"b"}
+    assert r.pick(None).cell_id == "b" and r.plan(2) == ["b", "b"]
+    r.register("c", "h:99")  # registered later: still uncordoned; a cell cordoned before it registers is
+    r.set_cordoned({"a", "d"})
+    assert r.register("d", "h:100").cordoned and r.pick(None).cell_id == "c"
+    r.set_state("b", DEAD)
+    r.set_state("c", DEAD)
+    assert r.pick(None).cell_id in {"a", "d"}  # only cordoned engines are ready: they still serve
+    r.set_cordoned(())
+    assert not r.get("a").cordoned
+
+
 # -- prompt deltas ------------------------------------------------------------------------------
 def test_call_cache_resolves_deltas_and_stays_bounded() -> None:
     cache = CallCache(max_calls_per_execution=2, max_tokens=100)

@@ -1,0 +1,69 @@
+"""An operator's cordon during a `gyre run` (e2e): once the job's executions and the long calls
+run, cordon the rollout cell with the most requests in flight, so that the policy drains it to
+training and its requests migrate; then uncordon it. Repeated (at most ``attempts`` times) until
+the job's event log shows a drain that migrated something, so the test does not hinge on the
+policy freeing a busy cell on its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class Cordoner:
+    def __init__(self, attempts: int = 4, timeout_s: float = 300.0) -> None:
+        self.attempts = attempts
+        self.timeout_s = timeout_s
+        self.scheduler = ""
+        self.migrated = 0
+        self.cordons = 0
+        self.error = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def on_line(self, line: str) -> None:
+        """Feed `gyre run`'s echo lines: the scheduler's address, then the job id."""
+        if line.startswith("scheduler ") and not self.scheduler:
+            self.scheduler = line.split()[1]
+        elif line.startswith("job: ") and self._thread is None and self.scheduler:
+            self._thread = threading.Thread(target=self._run, args=(line.split()[1],), daemon=True)
+            self._thread.start()
+        elif line.startswith("report: "):
+            self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _run(self, job_id: str) -> None:
+        from services.scheduler.client import SchedulerClient
+
+        try:
+            with SchedulerClient(self.scheduler) as sched:
+                deadline = time.monotonic() + self.timeout_s
+                while not self._stop.is_set() and self.migrated == 0 and self.cordons < self.attempts:
+                    assert time.monotonic() < deadline, "no busy rollout cell to cordon"
+                    rolling = sorted((c.cell.inflight, c.cell.cell_id) for c in sched.list_cells()
+                                     if c.cell.role.value == "rollout" and not c.cell.is_core)
+                    # another rollout cell must stay to take the work
+                    if len(rolling) < 2 or rolling[-1][0] == 0 or sched.get_job(job_id).running == 0:
+                        self._stop.wait(0.1)
+                        continue
+                    cell = rolling[-1][1]
+                    sched.cordon_cell(cell, reason="e2e: drain a busy cell")
+                    self.cordons += 1
+                    try:
+                        while not self._stop.is_set() and _role(sched, cell) != "train":
+                            assert time.monotonic() < deadline, f"cordoned {cell} did not move to training"
+                            self._stop.wait(0.1)
+                    finally:
+                        sched.cordon_cell(cell, cordoned=False)
+                    self.migrated = sum(int(e.attrs.get("migrated", "0")) for e in sched.watch(job_id, follow=False)
+                                        if e.kind == "migration" and e.attrs.get("cell_id") == cell)
+        except Exception as exc:  # reported by the test
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def _role(sched: object, cell_id: str) -> str:
+    return next(c.cell.role.value for c in sched.list_cells() if c.cell.cell_id == cell_id)  # type: ignore[attr-defined]
