@@ -6,9 +6,9 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/gyre/v1/*.proto)
 PROTO_STAMP := protos/gyre/v1/.generated
 
-.PHONY: install deps redis proto test test-unit test-service test-e2e run up down status bench lint clean
+.PHONY: install deps redis sandbox proto test test-unit test-service test-e2e run up down status bench lint clean
 
-install: deps redis proto  ## create .venv, install Gyre + deps, redis-server, generated protos
+install: deps redis sandbox proto  ## create .venv, install Gyre + deps, redis-server, bubblewrap, generated protos
 
 deps: $(VENV)/.installed
 
@@ -28,6 +28,15 @@ redis:  ## install the Debian package redis-server when it is missing (needs roo
 	  systemctl disable --now redis-server >/dev/null 2>&1 || true; \
 	else \
 	  echo "redis-server is missing: run 'sudo apt-get install redis-server' (or set REDIS_URL to a running Redis), then retry."; exit 1; \
+	fi
+
+sandbox:  ## install the Debian package bubblewrap (the reward service's scorer sandbox) when it is missing
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing bubblewrap (Debian package: the scorer sandbox)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	else \
+	  echo "bubblewrap is missing: run 'sudo apt-get install bubblewrap' (scorers run in it), then retry."; exit 1; \
 	fi
 
 proto: $(PROTO_STAMP)  ## generate *_pb2.py/.pyi/_pb2_grpc.py next to the .proto files

@@ -4,8 +4,9 @@ Run: ``.venv/bin/python -m bench.bench_reward`` (about half a minute); writes
 ``bench/results/reward.md``. Baselines are measured in the same run:
 
 1. Built-in scorer (all tests of a 4-module XLong workspace) called inline in this process (the
-   baseline) vs through the sandboxed worker pool (a warm worker process per scoring slot,
-   pickle in / JSON out, time limit armed): scorings per second and the ratio.
+   baseline) vs through the worker pool (a warm worker process per scoring slot, one forked child
+   per scoring, pickle in / JSON out, time limit armed), without a sandbox and in bubblewrap:
+   scorings per second and the ratio; a cold worker's first scoring (sandbox set-up + imports).
 2. The whole service path over real gRPC with a real redis-server: SubmitWorkspace (validate,
    zip, spool write, Redis ref) + Score (load, sandboxed scorer, policy, store), p50/p99 latency
    and executions per second with 1 and 4 concurrent harness threads.
@@ -36,7 +37,7 @@ def _workspaces(n: int) -> list[tuple[str, dict[str, bytes]]]:
 
 
 def bench_scorers(n: int) -> list[tuple[str, float, str]]:
-    from services.reward.sandbox import ScorerPool
+    from services.reward.sandbox import SandboxSpec, ScorerPool
     from services.reward.scorers import ScoreInput, ScorerSpec, run_local
 
     spec = ScorerSpec()
@@ -47,20 +48,24 @@ def bench_scorers(n: int) -> list[tuple[str, float, str]]:
     for inp in items:
         run_local(spec, inp)
     inline = n / (time.perf_counter() - t0)
-    pool = ScorerPool(size=2)
-    try:
-        pool.score(spec, items[0], timeout_s=30)
-        pool.score(spec, items[1], timeout_s=30)  # both workers started
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(2) as ex:
-            list(ex.map(lambda i: pool.score(spec, i, timeout_s=30), items))
-        sandboxed = n / (time.perf_counter() - t0)
-    finally:
-        pool.close()
-    return [
-        ("built-in scorer inline (baseline)", inline, "scorings/s"),
-        ("built-in scorer in sandbox pool (2 workers)", sandboxed, f"scorings/s ({sandboxed / inline:.2f}x baseline)"),
-    ]
+    rows = [("built-in scorer inline (baseline)", inline, "scorings/s")]
+    for sandbox in ("none", "bwrap"):
+        pool = ScorerPool(size=2, sandbox=SandboxSpec(sandbox=sandbox))
+        try:
+            t0 = time.perf_counter()
+            pool.score(spec, items[0], timeout_s=30)  # a cold worker: sandbox set up, imports done
+            cold = time.perf_counter() - t0
+            pool.score(spec, items[1], timeout_s=30)  # both workers started
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(2) as ex:
+                list(ex.map(lambda i: pool.score(spec, i, timeout_s=30), items))
+            rate = n / (time.perf_counter() - t0)
+        finally:
+            pool.close()
+        what = "bubblewrap sandbox" if sandbox == "bwrap" else "no sandbox (limits only)"
+        rows.append((f"built-in scorer, {what}, 2 warm workers", rate, f"scorings/s ({rate / inline:.2f}x baseline)"))
+        rows.append((f"first scoring of a cold worker, {what}", cold * 1000, "ms"))
+    return rows
 
 
 def bench_service(n: int) -> list[tuple[str, float, str]]:

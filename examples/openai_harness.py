@@ -6,7 +6,8 @@ worker API, talks to the model only through ``/v1/chat/completions`` at the leas
 every call as TITO under the session's execution, agent, role and attempt), keeps its own
 workspace, and reports the workspace and end status to the reward service over gRPC. Optionally it
 also grades its own work: ``--serve-scorer`` starts an ``ExternalScorer`` gRPC server and points
-the job's scorer at it, so the reward service calls back here for every execution.
+the job's scorer at it, so the reward service calls back here for every execution (its operator
+allows it: ``scorer_allowlist = ["external:HARNESS_HOST:PORT"]``, or ``HARNESS_HOST:*``).
 
 It solves the built-in XLong task with a plain chat loop (no compaction or sub-agents; the
 built-in harness in services/task/harness.py shows those):

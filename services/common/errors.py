@@ -32,6 +32,10 @@ class FailedPrecondition(GyreError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(GyreError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(GyreError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -64,8 +68,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
 
 
 _BY_CODE: dict[grpc.StatusCode, type[GyreError]] = {
-    cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted,
-                              Unavailable, Aborted, DeadlineExceeded)
+    cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, PermissionDenied,
+                              ResourceExhausted, Unavailable, Aborted, DeadlineExceeded)
 }
 
 

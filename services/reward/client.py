@@ -19,7 +19,7 @@ import grpc
 
 from protos.gyre.v1 import reward_pb2, reward_pb2_grpc
 from services.common.client import GrpcClient
-from services.common.security import open_channel
+from services.common.security import Security, open_channel
 from services.reward.scorers import ModuleResult, ScoreInput, ScorerError, ScorerOutput, ScorerSpec, parse_output
 from services.reward.servicer import (
     POLICY_TO_STR,
@@ -113,14 +113,17 @@ class ExternalScorerClient:
     no ``GrpcClient``: one client for many harness addresses, and no domain errors).
     """
 
-    def __init__(self, *, max_message_mb: int = 256) -> None:
+    def __init__(self, *, max_message_mb: int = 256, security: Security | None = None) -> None:
         self.max_message_mb = max_message_mb
+        # its own settings (none by default): never the process's token and client certificate
+        self.security = security or Security()
         self._channels: dict[str, grpc.Channel] = {}
 
     def _stub(self, address: str) -> reward_pb2_grpc.ExternalScorerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = open_channel(address, max_message_mb=self.max_message_mb)
+            ch = self._channels[address] = open_channel(address, security=self.security,
+                                                        max_message_mb=self.max_message_mb)
         return reward_pb2_grpc.ExternalScorerStub(ch)
 
     def __call__(self, spec: ScorerSpec, inp: ScoreInput, timeout_s: float) -> ScorerOutput:

@@ -11,11 +11,13 @@ the scorer workers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from protos.gyre.v1 import reward_pb2_grpc
 from services.common.blobs import BlobStore
 from services.common.entry import Built, run_service
 from services.common.redis_store import connect
+from services.common.security import Security
 from services.common.server import build_server
 from services.reward.client import ExternalScorerClient
 from services.reward.config import RewardConfig
@@ -26,8 +28,11 @@ from services.reward.servicer import SERVICE_NAME, RewardServicer, outcome_to_pr
 
 def build_reward(cfg: RewardConfig) -> Built:
     blobs = BlobStore(cfg.spool_dir)
-    pool = ScorerPool(size=cfg.scorer_workers, memory_mb=cfg.scorer_memory_mb)
-    external = ExternalScorerClient(max_message_mb=cfg.max_message_mb)
+    pool = ScorerPool(size=cfg.scorer_workers, sandbox=cfg.sandbox, cpu_s=int(cfg.scorer_timeout_s) + 1)
+    # external scorers get their own credential, never this service's token or client certificate
+    token = Path(cfg.external_scorer_token_file).read_text().strip() if cfg.external_scorer_token_file else ""
+    external = ExternalScorerClient(max_message_mb=cfg.max_message_mb,
+                                    security=Security(tls_ca_file=cfg.external_scorer_ca_file, auth_token=token))
     report = None
     if cfg.trajectory_address:
         from services.trajectory.client import TrajectoryClient
@@ -41,7 +46,7 @@ def build_reward(cfg: RewardConfig) -> Built:
         redis_client=connect(cfg.redis_url), blobs=blobs, pool=pool, limits=cfg.limits,
         default_scorer=cfg.scorer_spec, default_timeout_policy=cfg.default_timeout_policy,
         scorer_timeout_s=cfg.scorer_timeout_s, retention_s=cfg.retention_s, external_score=external,
-        report_outcome=report,
+        report_outcome=report, allowlist=cfg.allowlist,
     )
     server = build_server("reward", [(reward_pb2_grpc.add_RewardServicer_to_server, RewardServicer(core))],
                           service_names=[SERVICE_NAME], host=cfg.host, port=cfg.port,

@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 from services.task import registry
 
-__all__ = ["ScorerSpec", "ScoreInput", "ModuleResult", "ScorerOutput", "ScorerError", "run_local", "parse_output"]
+__all__ = ["ScorerSpec", "ScoreInput", "ModuleResult", "ScorerOutput", "ScorerError", "run_local", "parse_output",
+           "Allowlist"]
 
 ScorerKind = Literal["builtin", "entry_point", "external"]
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -74,6 +75,47 @@ class ScorerSpec:
     @property
     def name(self) -> str:
         return f"{self.kind}:{self.target}"
+
+
+@dataclass(frozen=True)
+class Allowlist:
+    """The scorers a reward service runs: every builtin, its default scorer, and what its operator
+    listed (``scorer_allowlist``): ``entry_point:pkg.module:function``, ``entry_point:pkg.module:*``
+    (any function of that module), ``external:host:port`` and ``external:host:*`` (any port of a
+    host the operator trusts, e.g. harness machines serving their own scorer). A job's request only picks among them."""
+
+    entries: tuple[str, ...] = ()
+    default: str = ""
+
+    def __post_init__(self) -> None:
+        for entry in self.entries:
+            kind, _, target = entry.partition(":")
+            probe = target[:-1] + ("x" if kind == "entry_point" else "1") if target.endswith(":*") else target
+            try:
+                if kind not in ("entry_point", "external"):
+                    raise ValueError("only entry_point and external scorers are listed (builtins are always allowed)")
+                ScorerSpec(kind=kind, target=probe)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise ValueError(f"scorer_allowlist entry {entry!r}: {exc}") from None
+
+    def allows(self, spec: ScorerSpec) -> bool:
+        if spec.kind == "builtin" or spec.name == self.default:
+            return True
+        if spec.name in self.entries:
+            return True
+        if spec.kind == "entry_point":
+            return f"entry_point:{spec.target.partition(':')[0]}:*" in self.entries
+        return spec.kind == "external" and f"external:{spec.target.rpartition(':')[0]}:*" in self.entries
+
+    def check(self, spec: ScorerSpec) -> None:
+        """PermissionDenied (a clear sentence) unless ``spec`` is allowed."""
+        if not self.allows(spec):
+            from services.common.errors import PermissionDenied
+
+            raise PermissionDenied(
+                f"scorer {spec.name} is not allowed by this reward service: builtin scorers and its default "
+                f"({self.default or 'none'}) are; an operator allows others in the reward service's "
+                "scorer_allowlist (GYRE_REWARD_SCORER_ALLOWLIST), e.g. entry_point:my_pkg.scoring:grade")
 
 
 @dataclass(frozen=True, kw_only=True)

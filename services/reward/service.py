@@ -33,7 +33,7 @@ from services.common.metrics import REGISTRY
 from services.common.redis_store import Keys
 from services.reward import workspace
 from services.reward.sandbox import ScorerPool
-from services.reward.scorers import ModuleResult, ScoreInput, ScorerError, ScorerOutput, ScorerSpec
+from services.reward.scorers import Allowlist, ModuleResult, ScoreInput, ScorerError, ScorerOutput, ScorerSpec
 
 __all__ = ["RewardService", "ScoreRecord", "JobPolicy", "WorkspaceRef", "TIMEOUT_POLICIES", "END_STATUSES"]
 
@@ -152,6 +152,7 @@ class RewardService:
         retention_s: int = 7 * 24 * 3600,
         external_score: ExternalScore | None = None,
         report_outcome: Callable[[ScoreRecord], None] | None = None,
+        allowlist: Allowlist | None = None,
     ) -> None:
         if default_timeout_policy not in TIMEOUT_POLICIES:
             raise ValueError(f"default_timeout_policy must be one of {TIMEOUT_POLICIES}, got {default_timeout_policy!r}.")
@@ -165,6 +166,7 @@ class RewardService:
         self.retention_s = retention_s
         self.external_score = external_score
         self.report_outcome = report_outcome
+        self.allowlist = allowlist or Allowlist(default=default_scorer.name)
         self.keys = Keys.ns("reward")
         # Striped locks: one execution is scored by one thread of this process at a time.
         self._locks = [threading.Lock() for _ in range(64)]
@@ -177,6 +179,7 @@ class RewardService:
         _check_id("job_id", job_id)
         if timeout_policy and timeout_policy not in TIMEOUT_POLICIES:
             raise InvalidArgument(f"timeout_policy must be one of {TIMEOUT_POLICIES}, got {timeout_policy!r}")
+        self.allowlist.check(scorer)  # a request picks among configured scorers; it never names new code
         key = self.keys.key("job", job_id)
         self.r.hset(key, mapping={"scorer": json.dumps(asdict(scorer)), "timeout_policy": timeout_policy})
         self.r.expire(key, self.retention_s)
@@ -243,6 +246,8 @@ class RewardService:
 
     def _run_scorer(self, spec: ScorerSpec, inp: ScoreInput) -> ScorerOutput:
         timeout_s = spec.timeout_s or self.scorer_timeout_s
+        if not self.allowlist.allows(spec):  # configured before the allowlist shrank
+            raise ScorerError("error", f"scorer {spec.name} is no longer in this reward service's scorer_allowlist")
         if spec.kind == "external":
             if self.external_score is None:
                 raise ScorerError("error", "external scorers are not enabled in this reward service")

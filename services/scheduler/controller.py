@@ -36,7 +36,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
-from services.common.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.scheduler.jobs import EventKind, JobSpec, JobState, JobStatus, eval_job_id
@@ -173,9 +173,13 @@ class JobController:
         scorer = default_scorer(spec)
         policy = spec.timeout_policy.value
         spec_scorer = scorer_spec(scorer) if scorer else None
-        self.reward.configure_job(job.job_id, spec_scorer, timeout_policy=policy)
-        if spec.evaluation.tasks:
-            self.reward.configure_job(eval_job_id(job.job_id), spec_scorer, timeout_policy=policy)
+        try:
+            self.reward.configure_job(job.job_id, spec_scorer, timeout_policy=policy)
+            if spec.evaluation.tasks:
+                self.reward.configure_job(eval_job_id(job.job_id), spec_scorer, timeout_policy=policy)
+        except (PermissionDenied, InvalidArgument) as exc:  # no retry changes that: the job cannot be scored
+            self._fail(job.job_id, f"the reward service refused the job's scorer {scorer!r}: {exc}")
+            return False
         self.state.mark_controlled(job.job_id)
         if not self._load_model(job):
             return False

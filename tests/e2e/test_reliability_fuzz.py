@@ -43,6 +43,8 @@ from tests.support.proto_fuzz import st_message
 from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess, health, stop_all
 
+REPO = Path(__file__).resolve().parents[2]
+
 C = grpc.StatusCode
 JOB, EXEC, CELL = "fz-job", "fz-ex", "cell-fz"
 KNOWN = (JOB, EXEC, CELL, "c0", "main", "0")
@@ -157,7 +159,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         procs["trajectory"].wait_ready(timeout_s=60)
         procs["reward"] = ServiceProcess.start("reward", "services.reward.main", work, [
             *base, "--spool-dir", str(spools[1]), "--scorer-workers", "1", "--scorer-timeout-s", "2",
-            "--trajectory-address", procs["trajectory"].address])
+            "--trajectory-address", procs["trajectory"].address, "--scorer-allowlist",
+            "entry_point:tests.support.harness_scorer:fraction_done", "--scorer-paths", str(REPO / "tests")])
         procs["engine"].wait_ready(timeout_s=120)
         # No trajectory address: TITO forwarding is asynchronous and would blur the state checks.
         procs["gateway"] = ServiceProcess.start("gateway", "services.rollout.gateway_main", work, [

@@ -31,6 +31,8 @@ from tests.service.scheduler_support import job_spec, wait_until
 from tests.support.harness_scorer import PARTS
 from tests.support.service_process import ServiceProcess, kill_group, spawn, stop_all
 
+REPO = Path(__file__).resolve().parents[2]
+
 JOB = "jh"
 LEASE_TTL_S = 2.0
 SCORER = ScorerSpec(kind="entry_point", target="tests.support.harness_scorer:fraction_done")
@@ -44,7 +46,8 @@ def stack(tmp_path: Path, redis_url: str) -> Iterator[dict[str, ServiceProcess]]
         procs["trajectory"] = ServiceProcess.start("trajectory", "services.trajectory.main", tmp_path, common)
         procs["trajectory"].wait_ready(timeout_s=60)
         procs["reward"] = ServiceProcess.start("reward", "services.reward.main", tmp_path, [
-            *common, "--trajectory-address", procs["trajectory"].address, "--scorer-workers", "1"])
+            *common, "--trajectory-address", procs["trajectory"].address, "--scorer-workers", "1", "--scorer-allowlist",
+            "entry_point:tests.support.harness_scorer:fraction_done", "--scorer-paths", str(REPO / "tests")])
         procs["reward"].wait_ready(timeout_s=60)
         procs["scheduler"] = ServiceProcess.start("scheduler", "services.scheduler.main", tmp_path, [
             *common, "--actuator", "agent", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",

@@ -55,6 +55,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
     rcfg = RewardConfig(redis_url=redis_url, spool_dir=str(tmp_path / "spool"), port=0, scorer_workers=1,
+                        scorer_allowlist=("external:127.0.0.1:*",),  # the harness's own scorer, any port
                         log_json=False)
     reward, reward_shutdown = build_reward(rcfg)
     reward.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -25,6 +26,7 @@ from services.trajectory.config import TrajectoryConfig
 from services.trajectory.main import build_trajectory
 
 ME = "tests.service.test_reward_service"
+REPO = Path(__file__).resolve().parents[2]
 PARAMS = TaskParams(num_modules=3)
 
 
@@ -43,7 +45,10 @@ def reward(redis_url: str, tmp_path: Path) -> Iterator:
 
     def start(**overrides: object) -> RewardClient:
         cfg = RewardConfig(**{"redis_url": redis_url, "spool_dir": str(tmp_path / "spool"), "port": 0,
-                              "scorer_workers": 1, "scorer_timeout_s": 20.0, "log_json": False, **overrides})
+                              "scorer_workers": 1, "scorer_timeout_s": 20.0, "log_json": False,
+                              "scorer_allowlist": (f"entry_point:{ME}:*", "entry_point:tests.nonexistent_module:f",
+                                                   "entry_point:tests.support.hostile_scorers:*"),
+                              "scorer_paths": (str(REPO / "tests"), str(REPO / "protos")), **overrides})
         server, on_shutdown = build_reward(cfg)
         server.start()
         server.set_serving(True)
@@ -165,6 +170,72 @@ def test_scorer_crash_and_timeout_are_clear_errors_not_a_dead_service(reward) ->
     assert client.score("half", "e-ok", "finished").reward == 0.5
 
 
+def test_scorers_a_request_may_pick_are_configuration(reward) -> None:
+    """ConfigureJob picks among the builtins, the default and the allowlist; arbitrary importable
+    functions (os:system, subprocess:getoutput) and unlisted external addresses are refused with
+    PERMISSION_DENIED and nothing is written: the job keeps the default scorer."""
+    client = reward()
+    for kind, target in (("entry_point", "os:system"), ("entry_point", "subprocess:getoutput"),
+                         ("entry_point", "tests.support.harness_scorer:fraction_done"), ("external", "127.0.0.1:9")):
+        with pytest.raises(errors.PermissionDenied, match="scorer_allowlist"):
+            client.configure_job("j-evil", ScorerSpec(kind=kind, target=target))  # type: ignore[arg-type]
+    client.submit_workspace("j-evil", "e-evil", {"a": b"1"}, task_id="t")
+    r = client.score("j-evil", "e-evil", "finished")
+    assert r.scorer == "builtin:xlong-v1"  # the default: nothing of the refused requests was kept
+    client.configure_job("ok", ScorerSpec(kind="entry_point", target=f"{ME}:always_half"))  # listed by module
+    client.configure_job("ok", ScorerSpec(kind="builtin", target="xlong-v1-tests"))  # builtins: always
+    with pytest.raises(ValueError, match="scorer_allowlist entry"):
+        RewardConfig(scorer_allowlist=("os.system",))
+
+
+def test_a_hostile_scorer_through_the_service_gets_nothing_and_the_service_stays_up(reward, monkeypatch) -> None:
+    monkeypatch.setenv("GYRE_REWARD_AUTH_TOKEN_SECRET", "not-for-scorers")  # in the service's environment
+    client = reward(scorer_timeout_s=3.0)
+    client.configure_job("env", ScorerSpec(kind="entry_point", target="tests.support.hostile_scorers:leaked_env"))
+    client.configure_job("bomb", ScorerSpec(kind="entry_point", target="tests.support.hostile_scorers:fork_bomb"))
+    client.configure_job("half", ScorerSpec(kind="entry_point", target=f"{ME}:always_half"))
+    r = client.score("env", "e-env", "finished")
+    assert (r.state, r.reward) == ("ok", 0.0)  # no REDIS_*, GYRE_*, *TOKEN*, *SECRET* variable reached it
+    r = client.score("bomb", "e-bomb", "finished")
+    assert r.state == "scorer_timeout" and r.excluded
+    assert client.score("half", "e-half", "finished").reward == 0.5  # another job's score is unaffected
+
+
+class _SeesCredentials(FunctionScorerServicer):
+    def __init__(self, fn: Any, seen: list[str]) -> None:
+        super().__init__(fn)
+        self.seen = seen
+
+    def Score(self, request: Any, context: Any) -> Any:
+        self.seen.extend(str(v) for _, v in context.invocation_metadata())
+        return super().Score(request, context)
+
+
+def test_external_scorers_get_their_own_credential_never_the_services(reward, tmp_path: Path) -> None:
+    from services.common import security
+
+    seen: list[str] = []
+    ext = build_server("ext-scorer", [(reward_pb2_grpc.add_ExternalScorerServicer_to_server,
+                                       _SeesCredentials(lambda f, t, s: 1.0, seen))],
+                       service_names=[reward_pb2.DESCRIPTOR.services_by_name["ExternalScorer"].full_name])
+    ext.start()
+    ext.set_serving(True)
+    token_file = tmp_path / "ext-token"
+    token_file.write_text("the-external-scorers-own-token\n")
+    before = security.current()
+    # the reward service's own token (it and its clients use it; the process is both here)
+    security.configure(security.Security(auth_token="the-reward-services-token"))
+    try:
+        client = reward(scorer_allowlist=(f"external:{ext.address}",), external_scorer_token_file=str(token_file))
+        client.configure_job("ext", ScorerSpec(kind="external", target=ext.address))
+        assert client.score("ext", "e-ext", "finished", task_id="t").reward == 1.0
+    finally:
+        security.configure(before)
+        ext.stop(0)
+    assert any("the-external-scorers-own-token" in v for v in seen), seen
+    assert not any("the-reward-services-token" in v for v in seen), seen
+
+
 def test_external_scorer_on_a_second_grpc_server(reward) -> None:
     seen: list[tuple[dict[str, bytes], str, str]] = []
 
@@ -180,7 +251,7 @@ def test_external_scorer_on_a_second_grpc_server(reward) -> None:
     ext.start()
     ext.set_serving(True)
     try:
-        client = reward()
+        client = reward(scorer_allowlist=(f"external:{ext.address}",))
         client.configure_job("ext", ScorerSpec(kind="external", target=ext.address), timeout_policy="partial")
         client.submit_workspace("ext", "e-ext", {"out/answer.txt": b"42"}, task_id="my-task")
         r = client.score("ext", "e-ext", "timeout")

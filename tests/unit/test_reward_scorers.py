@@ -7,14 +7,16 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from services.reward.sandbox import ScorerPool
+from services.reward.sandbox import SandboxSpec, ScorerPool
 from services.reward.scorers import ScoreInput, ScorerError, ScorerSpec, parse_output
 from services.task.spec import task_from_id, task_ids
 
 ME = "tests.unit.test_reward_scorers"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def count_files(files: dict[str, bytes], task_id: str, status: str) -> dict:
@@ -56,7 +58,7 @@ def exiter(files: dict[str, bytes], task_id: str, status: str) -> float:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[ScorerPool]:
-    p = ScorerPool(size=2, memory_mb=512)
+    p = ScorerPool(size=2, sandbox=SandboxSpec(memory_mb=512, paths=(str(REPO / "tests"),)))
     yield p
     p.close()
 
