@@ -139,14 +139,32 @@ class Launcher:
         self.state_file = self.run_dir / "state.json"
 
     # -- up -----------------------------------------------------------------------------------
+    def _kv_key(self) -> Path:
+        """This stack's KV migration key file (created on first use; never printed or logged)."""
+        path = self.data_dir / "secrets" / "kv.key"
+        if not path.exists():
+            import secrets
+
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_hex(32))
+        return path
+
     def up(self, specs: Sequence[ServiceSpec], *, redis_url: str | None = None, timeout_s: float = 300.0,
            echo: Callable[[str], None] = print, env: Mapping[str, str] | None = None) -> dict[str, Running]:
         if self.state_file.exists() and self._alive(self._load()):
             raise ValueError(f"Gyre is already up (state in {self.state_file}); run `gyre down` first")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        # the replicas the trainer core spawns log next to every other process of this stack
-        env = {"GYRE_TRAINER_REPLICA_LOG_DIR": str(self.data_dir / "logs"), **(env or {})}
+        # the replicas the trainer core spawns log next to every other process of this stack; its
+        # engines sign KV migrations with a key of its own (made once, mode 0600, in the data dir)
+        env = {"GYRE_TRAINER_REPLICA_LOG_DIR": str(self.data_dir / "logs"),
+               "GYRE_ENGINE_KV_AUTH_KEY_FILE": str(self._kv_key()),
+               # grpc's C core logs outside Python's logging (not JSON): errors only
+               "GRPC_VERBOSITY": os.environ.get("GRPC_VERBOSITY", "ERROR"),
+               # a log file is no progress display: no tqdm bars from model loading in it
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})}
         # env: what a restart (services/supervisor.py) starts a process with again
         state: dict = {"redis": None, "services": {}, "env": {"PYTHONPATH": str(REPO), **env},
                        "cwd": str(REPO)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -40,7 +41,24 @@ def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") 
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s", force=True)
+    # stdlib records (grpc's Python side, transformers, torch, warnings) render through the same
+    # processors: one JSON line each too, with level, logger name, timestamp and service
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[_record_name, *processors],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(numeric)
+    logging.captureWarnings(True)
+
+
+def _record_name(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A stdlib record's logger name under the key Gyre's own lines use (``logger_name``)."""
+    record = event.get("_record")
+    if record is not None:
+        event.setdefault("logger_name", record.name)
+    return event
 
 
 def _bind_service(service: str) -> Any:

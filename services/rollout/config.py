@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.config import ServerConfig, check, setting
 
@@ -36,10 +37,19 @@ class EngineConfig(ServerConfig):
     attach_wait_s: float = setting(30.0, "How long Attach waits for a migrating request to arrive, seconds.")
     gateway_address: str = setting("", "Gateway to register with at start (and leave at stop); empty = none.")
     advertise_host: str = setting("", "Host other processes reach this engine by; empty = host.")
+    kv_auth_key_file: str = setting("", "File holding the deployment's KV migration key (every engine the same): "
+                                        "migration headers are signed with it and unsigned ones refused; empty = "
+                                        "unauthenticated (local runs).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(bool(self.cell_id), "cell_id", self.cell_id, "a non-empty cell id")
+        if self.kv_auth_key_file:
+            try:
+                key = self.kv_key
+            except OSError as exc:
+                raise ValueError(f"config field 'kv_auth_key_file' is {self.kv_auth_key_file!r}: {exc}") from None
+            check(len(key) >= 16, "kv_auth_key_file", self.kv_auth_key_file, "a file with a key of >= 16 bytes")
         check(bool(self.model), "model", self.model, "a checkpoint directory, 'builtin-tiny' or 'random-tiny'")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
               "auto, float32, bfloat16 or float16")
@@ -56,6 +66,15 @@ class EngineConfig(ServerConfig):
         check(self.attach_wait_s > 0, "attach_wait_s", self.attach_wait_s, "> 0 seconds")
         check(self.max_workers >= self.max_batch_size, "max_workers", self.max_workers,
               f"at least max_batch_size ({self.max_batch_size}): every running request holds a stream")
+
+    @property
+    def kv_key(self) -> bytes:
+        return read_key(self.kv_auth_key_file)
+
+
+def read_key(path: str) -> bytes:
+    """A secret key from a file (surrounding whitespace stripped); b"" for no file."""
+    return Path(path).read_bytes().strip() if path else b""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -150,8 +150,9 @@ class EngineHost:
 
     def __init__(self, engine: InferenceEngine, *, cell_id: str, address: str = "",
                  kv_kinds: tuple[str, ...] = ("ucx", "tcp"), kv_host: str = "127.0.0.1", model: str = "",
-                 loader: Callable[[str], InferenceEngine] | None = None) -> None:
+                 loader: Callable[[str], InferenceEngine] | None = None, kv_key: bytes = b"") -> None:
         self.engine = engine
+        self.kv_key = kv_key  # the deployment's KV migration key (b"": unsigned, local runs)
         self.model = model  # the spec the engine was loaded from ("" when built in code)
         self._loader = loader
         self.cell_id = cell_id
@@ -296,12 +297,21 @@ class EngineHost:
                 if k in self._receivers:
                     return self._scheme(self._receivers[k]), self._receivers[k]
                 try:
-                    self._receivers[k] = kv_transport.make_receiver(k, self._on_state, host=self.kv_host)
+                    self._receivers[k] = kv_transport.make_receiver(k, self._on_state, host=self.kv_host,
+                                                                    key=self.kv_key, max_bytes=self._max_state_bytes())
                     return self._scheme(self._receivers[k]), self._receivers[k]
                 except Exception as exc:  # deliberate: fall back to the next transport
                     MIGRATION_FALLBACKS.labels(k).inc()
                     self.log.warning("kv receiver unavailable; falling back", kind=k, error=str(exc))
         raise Unavailable(f"engine {self.cell_id} has no working KV receiver ({', '.join(kinds)})")
+
+    def _max_state_bytes(self) -> int:
+        """The largest state this engine could import (its context length of KV), so a migration
+        header cannot make the receiver allocate more; the transport's default when unknown."""
+        from services.rollout import kv_transport
+
+        bound = getattr(self.engine, "max_state_bytes", None)
+        return int(bound()) if callable(bound) else kv_transport.DEFAULT_MAX_STATE_BYTES
 
     @staticmethod
     def _scheme(address: str) -> str:
@@ -369,7 +379,7 @@ class EngineHost:
                 payload = replace(state, kv=[]) if kind == "reprefill" else state
                 from services.rollout import kv_transport
 
-                sent = kv_transport.send_state_ex(wire, address, payload)
+                sent = kv_transport.send_state_ex(wire, address, payload, key=self.kv_key)
             except Exception as exc:  # deliberate: next transport in the chain
                 MIGRATION_FALLBACKS.labels(kind).inc()
                 errors.append(f"{kind}: {type(exc).__name__}: {exc}")

@@ -18,6 +18,15 @@ Wire protocol (one migration per TCP connection; JSON header, raw little-endian 
     receiver: on_state(MigrationState) (e.g. engine.import_request)
     sender ◀── u32 len, {"ok": true, "bytes": n} | {"ok": false, "error": "..."} ── receiver
 
+Authentication and bounds: receivers and senders of one deployment share a key (the engines'
+``kv_auth_key_file``). With a key, every header carries a timestamp, a random nonce and
+``mac`` = HMAC-SHA256(key, canonical JSON of the rest); a receiver refuses (``{"ok": false}``,
+before any array is allocated or read) a header without a valid MAC, older or newer than
+``MAX_CLOCK_SKEW_S``, or with a nonce it has seen (a replay). Every receiver refuses headers of
+another protocol version and states whose arrays add up to more than its ``max_bytes`` (the
+engine's largest possible state: its context length of KV), so a header cannot make it allocate
+more than it could ever hold. Without a key (local runs on 127.0.0.1) only the bounds apply.
+
 Fallbacks, each logged and counted in ``gyre_rollout_migration_fallbacks_total``: a UCX receiver
 that cannot start (ucxx missing or failing) is a TCP receiver; a UCX send that cannot import,
 connect or finish resends over TCP to the same receiver (every UCX receiver also takes TCP).
@@ -31,6 +40,8 @@ transport carried it).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -38,6 +49,7 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +68,9 @@ MAGIC = b"GYKV"
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 << 20
 MAX_ARRAYS = 1 << 16
+DEFAULT_MAX_STATE_BYTES = 16 << 30  # a receiver that was not told its engine's bound
+MAX_CLOCK_SKEW_S = 300.0
+SEEN_NONCES = 65536
 # A receiver gives up on a transfer that stalls this long (seconds) and drops the connection.
 STALL_TIMEOUT_S = 120.0
 UCX_MIN_BUDGET_S = 5.0  # a UCX transfer gets this plus its bytes at UCX_FLOOR_BYTES_PER_S (then TCP)
@@ -120,21 +135,65 @@ def state_header(state: MigrationState, arrays: list[np.ndarray], *, mode: str, 
     }
 
 
-def empty_arrays(header: dict[str, Any]) -> list[np.ndarray]:
-    """Receive buffers for a header, validated (ValueError on anything malformed)."""
+def _mac(key: bytes, header: dict[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def sign(header: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """``header`` with a timestamp, a nonce and its MAC under ``key`` (unchanged without a key)."""
+    if not key:
+        return header
+    signed = {**header, "ts": time.time(), "nonce": secrets.token_hex(16)}
+    signed["mac"] = _mac(key, signed)
+    return signed
+
+
+class Verifier:
+    """A receiver's check of signed headers: MAC, clock skew and replay (bounded nonce memory)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, header: dict[str, Any]) -> None:
+        if not self.key:
+            return
+        mac = header.get("mac")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(self.key, header)):
+            raise PermissionError("the migration header is not signed with this deployment's KV key")
+        ts, nonce = header.get("ts"), header.get("nonce")
+        if not isinstance(ts, (int, float)) or abs(time.time() - float(ts)) > MAX_CLOCK_SKEW_S:
+            raise PermissionError(f"the migration header's timestamp is more than {MAX_CLOCK_SKEW_S:.0f}s off")
+        with self._lock:
+            if not isinstance(nonce, str) or nonce in self._seen:
+                raise PermissionError("the migration header was already used (a replay)")
+            self._seen[nonce] = None
+            while len(self._seen) > SEEN_NONCES:
+                self._seen.popitem(last=False)
+
+
+def empty_arrays(header: dict[str, Any], max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> list[np.ndarray]:
+    """Receive buffers for a header, validated (ValueError on anything malformed or larger than
+    ``max_bytes`` in all: checked before anything is allocated)."""
     specs = header.get("arrays")
     if not isinstance(specs, list) or not (4 <= len(specs) <= MAX_ARRAYS) or len(specs) % 2:
         raise ValueError("header arrays must list prompt, generated ids, logprobs, rng and k/v pairs")
-    out = []
+    plan = []
+    total = 0
     for spec in specs:
         dtype = np.dtype(spec["dtype"])
         if dtype.hasobject:
             raise ValueError("object arrays are not accepted")
         shape = tuple(int(d) for d in spec["shape"])
-        if any(d < 0 for d in shape):
-            raise ValueError(f"negative array dimension in {shape}")
-        out.append(np.empty(shape, dtype=dtype))
-    return out
+        if any(d < 0 for d in shape) or len(shape) > 8:
+            raise ValueError(f"bad array shape {shape}")
+        total += dtype.itemsize * int(np.prod(shape, dtype=object))  # Python ints: no overflow
+        if total > max_bytes:
+            raise ValueError(f"the state's arrays exceed this receiver's bound of {max_bytes} bytes")
+        plan.append((shape, dtype))
+    return [np.empty(shape, dtype=dtype) for shape, dtype in plan]
 
 
 def build_state(header: dict[str, Any], arrays: list[np.ndarray]) -> MigrationState:
@@ -251,10 +310,13 @@ class Receiver:
     is served by its own thread, so a slow import never blocks another transfer.
     """
 
-    def __init__(self, kind: str, on_state: OnState, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, kind: str, on_state: OnState, *, host: str = "127.0.0.1", key: bytes = b"",
+                 max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         if kind not in KINDS:
             raise ValueError(f"KV transport kind must be one of {KINDS}, got {kind!r}")
         self.on_state = on_state
+        self.verifier = Verifier(key)
+        self.max_bytes = max_bytes
         self._ucx: _Ucx | None = None
         if kind == "ucx":
             try:
@@ -293,11 +355,21 @@ class Receiver:
             conn.settimeout(STALL_TIMEOUT_S)
             try:
                 header = _recv_msg(conn, MAGIC)
-                if header.get("v") != PROTOCOL_VERSION:
-                    raise ValueError(f"protocol version {header.get('v')} != {PROTOCOL_VERSION}")
-                arrays = empty_arrays(header)
-            except (TransportError, OSError, ValueError, KeyError, TypeError) as exc:
+            except (TransportError, OSError, ValueError) as exc:
                 log.warning("kv header rejected", error=str(exc))
+                return
+            try:
+                if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
+                    got = header.get("v") if isinstance(header, dict) else None
+                    raise ValueError(f"protocol version {got} != {PROTOCOL_VERSION}")
+                self.verifier.check(header)
+                arrays = empty_arrays(header, self.max_bytes)
+            except (PermissionError, ValueError, KeyError, TypeError) as exc:
+                log.warning("kv header rejected", error=str(exc))
+                try:  # the sender learns why (nothing was allocated or read)
+                    _send_msg(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                except OSError:
+                    pass
                 return
             mode = "ucx" if header.get("mode") == "ucx" and self._ucx is not None else "tcp"
             try:
@@ -332,13 +404,14 @@ _RECEIVERS: dict[str, Receiver] = {}
 _RECEIVERS_LOCK = threading.Lock()
 
 
-def make_receiver(kind: str, on_state: OnState, *, host: str = "127.0.0.1") -> str:
+def make_receiver(kind: str, on_state: OnState, *, host: str = "127.0.0.1", key: bytes = b"",
+                  max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> str:
     """Start a receiver for ``kind`` ("ucx" | "tcp"); returns the address senders use.
 
     ``kind="ucx"`` without a working ucxx serves TCP (logged, counted): the address then starts
     with ``tcp://``. Close with ``close_receiver(address)``.
     """
-    recv = Receiver(kind, on_state, host=host)
+    recv = Receiver(kind, on_state, host=host, key=key, max_bytes=max_bytes)
     with _RECEIVERS_LOCK:
         _RECEIVERS[recv.address] = recv
     return recv.address
@@ -367,16 +440,18 @@ def parse_address(address: str) -> tuple[str, str, int, bytes]:
     return scheme, host, int(port), worker
 
 
-def send_state(kind: str, address: str, state: MigrationState, *, timeout_s: float = STALL_TIMEOUT_S) -> int:
+def send_state(kind: str, address: str, state: MigrationState, *, timeout_s: float = STALL_TIMEOUT_S,
+               key: bytes = b"") -> int:
     """Deliver ``state`` to the receiver at ``address``; returns payload bytes sent.
 
     ``kind`` is the transport asked for ("ucx" | "tcp"); UCX falls back to TCP (logged, counted).
     Raises ``TransportError`` when it could not be delivered, ``StateRejected`` when refused.
     """
-    return send_state_ex(kind, address, state, timeout_s=timeout_s).bytes_sent
+    return send_state_ex(kind, address, state, timeout_s=timeout_s, key=key).bytes_sent
 
 
-def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: float = STALL_TIMEOUT_S) -> SendResult:
+def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: float = STALL_TIMEOUT_S,
+                  key: bytes = b"") -> SendResult:
     """Like ``send_state``, also reporting the transport that carried the arrays."""
     if kind not in KINDS:
         raise ValueError(f"KV transport kind must be one of {KINDS}, got {kind!r}")
@@ -392,7 +467,7 @@ def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: 
             log.warning("ucx unavailable here; sending over TCP", error=f"{type(exc).__name__}: {exc}")
         if ucx is not None:
             try:
-                n, used = _send(host, port, state, arrays, ucx, worker, timeout_s)
+                n, used = _send(host, port, state, arrays, ucx, worker, timeout_s, key)
             except (TransportError, OSError, TimeoutError) as exc:
                 FALLBACKS.labels("ucx_send_failed").inc()
                 log.warning("ucx send failed; resending over TCP", error=f"{type(exc).__name__}: {exc}")
@@ -400,9 +475,9 @@ def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: 
                 if used != "ucx":
                     FALLBACKS.labels("ucx_refused_by_receiver").inc()
                 return SendResult(n, used, used != "ucx", time.perf_counter() - t0)
-        n, used = _send(host, port, state, arrays, None, b"", timeout_s)
+        n, used = _send(host, port, state, arrays, None, b"", timeout_s, key)
         return SendResult(n, used, True, time.perf_counter() - t0)
-    n, used = _send(host, port, state, arrays, None, b"", timeout_s)
+    n, used = _send(host, port, state, arrays, None, b"", timeout_s, key)
     return SendResult(n, used, False, time.perf_counter() - t0)
 
 
@@ -416,9 +491,9 @@ def ucx_budget_s(arrays: list[np.ndarray], timeout_s: float) -> float:
 
 
 def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray], ucx: _Ucx | None,
-          worker: bytes, timeout_s: float) -> tuple[int, str]:
+          worker: bytes, timeout_s: float, key: bytes = b"") -> tuple[int, str]:
     tag = secrets.randbits(47) << 16
-    header = state_header(state, arrays, mode="ucx" if ucx else "tcp", tag=tag)
+    header = sign(state_header(state, arrays, mode="ucx" if ucx else "tcp", tag=tag), key)
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as exc:
@@ -427,7 +502,10 @@ def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray],
         _tune(sock)
         try:
             _send_msg(sock, header, MAGIC)
-            mode = _recv_msg(sock).get("mode")
+            answer = _recv_msg(sock)
+            if answer.get("ok") is False:  # the header was refused: nothing was sent
+                raise StateRejected(f"receiver refused the header: {answer.get('error')}")
+            mode = answer.get("mode")
             if mode == "ucx":
                 assert ucx is not None
                 ucx.call(ucx.send(worker, arrays, tag), ucx_budget_s(arrays, timeout_s))

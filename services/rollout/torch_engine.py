@@ -382,6 +382,12 @@ class TorchEngine(InferenceEngine):
         with self._lock:
             return list(self._known)
 
+    def max_state_bytes(self) -> int:
+        """Bytes of the largest migration state this engine could import: KV of a full context in
+        every layer (at most 4-byte elements), plus its prompt, generated ids, logprobs and RNG."""
+        kv = 2 * self.num_layers * self.kv_heads * self.head_dim * self.max_context * 4
+        return kv + self.max_context * 16 + (1 << 16)
+
     def load(self) -> dict[str, int]:
         with self._lock:
             active = len(self._known)

@@ -54,6 +54,14 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     assert report.exists() and (report.parent / "cell_timeline.png").exists()
     kinds = [json.loads(x)["kind"] for x in (report.parent / "metrics.jsonl").read_text().splitlines()]
     assert "switch" in kinds and kinds.count("step") == spec.num_steps
+    # the stack's KV migration key signed every migration above and is in no log line
+    data = tmp_path / "data" / "elastic"
+    key = (data / "secrets" / "kv.key").read_text().strip()
+    assert len(key) == 64 and (data / "secrets" / "kv.key").stat().st_mode & 0o077 == 0
+    logs = list((data / "logs").glob("*.log"))
+    assert logs and not [p.name for p in logs if key in p.read_text(errors="replace")]
+    assert all(line.startswith("{") for p in logs if p.name != "redis.log"
+               for line in p.read_text(errors="replace").splitlines() if line.strip()), "a log line is not JSON"
 
 
 @pytest.mark.timeout(900)

@@ -132,3 +132,49 @@ def test_bad_addresses_and_kinds() -> None:
         kv_transport.send_state("rdma", "tcp://127.0.0.1:1", _state(layers=1, tokens=600))
     with pytest.raises(ValueError):
         kv_transport.make_receiver("rdma", lambda s: None)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ucx"])
+def test_signed_migrations_only_and_bounded_before_allocation(kind: str) -> None:
+    """A receiver with the deployment key takes only headers signed with it (fresh, never replayed),
+    and refuses states larger than its bound before it allocates or reads anything."""
+    import json
+    import socket
+    import struct
+
+    key = b"k" * 32
+    got: list[MigrationState] = []
+    state = _state(layers=1, tokens=600)
+    address = kv_transport.make_receiver(kind, got.append, key=key, max_bytes=10 << 20)
+    try:
+        sent = kv_transport.send_state_ex(kind, address, state, key=key)
+        assert len(got) == 1 and sent.bytes_sent > 0
+        _assert_same(got[0], state)
+        for wrong in (b"", b"x" * 32):  # unsigned, or signed with another deployment's key
+            with pytest.raises(kv_transport.StateRejected, match="not signed"):
+                kv_transport.send_state(kind, address, state, key=wrong)
+        # a replayed (captured) header and a stale one are refused
+        _scheme, host, port, _w = kv_transport.parse_address(address)
+        arrays = kv_transport.state_arrays(state)
+        header = kv_transport.sign(kv_transport.state_header(state, arrays, mode="tcp", tag=1), key)
+
+        def offer(h: dict) -> dict:
+            with socket.create_connection((host, port), timeout=10) as s:
+                body = json.dumps(h).encode()
+                s.sendall(kv_transport.MAGIC + struct.pack("<I", len(body)) + body)
+                n = struct.unpack("<I", s.recv(4))[0]
+                return json.loads(s.recv(n))
+
+        assert offer(header) == {"mode": "tcp"}  # first use (the test then hangs up: no state)
+        assert "already used" in offer(header)["error"]
+        stale = kv_transport.sign(kv_transport.state_header(state, arrays, mode="tcp", tag=2), key)
+        stale["ts"] -= 3600
+        stale["mac"] = kv_transport._mac(key, stale)  # noqa: SLF001 - correctly signed, but an hour old
+        assert "timestamp" in offer(stale)["error"]
+        assert "protocol version" in offer({**header, "v": 99})["error"]
+        big = kv_transport.state_header(state, arrays, mode="tcp", tag=3)  # 2 x 64 GiB of declared KV
+        big["arrays"][4:] = [{"dtype": "<f4", "shape": [1 << 10, 1 << 14, 1 << 10]}] * 2
+        assert "bound" in offer(kv_transport.sign(big, key))["error"]  # refused before any allocation
+        assert len(got) == 1  # nothing refused reached the engine
+    finally:
+        kv_transport.close_receiver(address)
