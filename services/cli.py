@@ -8,6 +8,7 @@
     gyre jobs                                 every job, its state and progress
     gyre cancel JOB [--reason TEXT]
     gyre cells [--json]                       every cell: role, liveness, load, cordon
+    gyre credentials DIR                      a deployment's per-role tokens and KV key (files, 0640)
     gyre cordon CELL [--reason TEXT]          take a cell out of rollout (its requests migrate; it trains)
     gyre uncordon CELL                        give it back to the policy
     gyre report JOB [--out DIR]               report.html, figures, metrics.jsonl of a job
@@ -18,7 +19,8 @@
     gyre bench scheduler --trace FILE.jsonl --cells N [...] [--json]
 
 Clients of a stack find its addresses in <data-dir>/run/state.json (`gyre up` writes it), or take
---scheduler HOST:PORT. Subcommands import their heavy parts lazily so ``gyre --help`` stays fast.
+--scheduler HOST:PORT. A stack with tokens takes the caller's credential from the environment
+(GYRE_TOKEN_FILE, e.g. an operator's; GYRE_TLS_CA_FILE for TLS). Subcommands import their heavy parts lazily so ``gyre --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -135,6 +137,41 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_credentials(args: argparse.Namespace) -> int:
+    """Make a deployment's secrets in DIR (never printed): per-role tokens, one file per role for
+    its holders, and the KV migration key; then say which settings point to them."""
+    import secrets
+    from pathlib import Path
+
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True, mode=0o750)
+    files = {"tokens": "", "harness.token": "", "operator.token": "", "internal.token": "", "kv.key": ""}
+    existing = [f for f in files if (out / f).exists()]
+    if existing and not args.force:
+        print(f"gyre: {out} already holds {', '.join(existing)}; --force makes new ones (every holder must get them)",
+              file=sys.stderr)
+        return 2
+    roles = {r: secrets.token_urlsafe(32) for r in ("internal", "harness", "operator")}
+    files["tokens"] = "# ROLE TOKEN: what every Gyre service accepts (auth_tokens_file)\n" + \
+        "".join(f"{r} {t}\n" for r, t in roles.items())
+    for r, t in roles.items():
+        files[f"{r}.token"] = t + "\n"
+    files["kv.key"] = secrets.token_hex(32) + "\n"
+    for name, text in files.items():
+        path = out / name
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+    print(f"wrote {', '.join(files)} to {out} (mode 0640; chgrp them to the services' group). In gyre.env:")
+    for svc in ("SCHEDULER", "GATEWAY", "ENGINE", "TRAINER", "TRAJECTORY", "REWARD", "CELL_AGENT"):
+        print(f"  GYRE_{svc}_AUTH_TOKENS_FILE={out / 'tokens'}")
+    print(f"  GYRE_ENGINE_KV_AUTH_KEY_FILE={out / 'kv.key'}")
+    print(f"harnesses: GYRE_HARNESS_AUTH_TOKEN_FILE={out / 'harness.token'} (and as the OpenAI api key); "
+          f"operators: GYRE_TOKEN_FILE={out / 'operator.token'} for `gyre`")
+    return 0
+
+
 def cmd_cells(args: argparse.Namespace) -> int:
     with _scheduler(args) as scheduler:
         cells = scheduler.list_cells()
@@ -213,8 +250,26 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_security() -> None:
+    """This command's credential (an operator's, a harness's): ``GYRE_TOKEN_FILE`` (or
+    ``GYRE_TOKEN``) and ``GYRE_TLS_CA_FILE`` (plus ``GYRE_TLS_CERT_FILE``/``GYRE_TLS_KEY_FILE``
+    for mTLS), from the environment: never on the command line."""
+    from pathlib import Path
+
+    from services.common import security
+
+    token = os.environ.get("GYRE_TOKEN", "")
+    if os.environ.get("GYRE_TOKEN_FILE"):
+        token = Path(os.environ["GYRE_TOKEN_FILE"]).read_text().strip()
+    if token or os.environ.get("GYRE_TLS_CA_FILE"):
+        security.configure(security.Security(
+            auth_token=token, tls_ca_file=os.environ.get("GYRE_TLS_CA_FILE", ""),
+            tls_cert_file=os.environ.get("GYRE_TLS_CERT_FILE", ""), tls_key_file=os.environ.get("GYRE_TLS_KEY_FILE", "")))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _client_security()
     # Subcommands that own their whole argument list.
     if argv[:2] == ["trajectory", "stats"]:
         from services.trajectory.cli import stats_main
@@ -264,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("job")
     ca.add_argument("--reason", default="cancelled from the command line")
     ca.set_defaults(fn=cmd_cancel)
+    cr = sub.add_parser("credentials", help="make a deployment's per-role tokens and KV key in DIR")
+    cr.add_argument("dir")
+    cr.add_argument("--force", action="store_true", help="replace existing ones")
+    cr.set_defaults(fn=cmd_credentials)
     ce = sub.add_parser("cells", parents=[client], help="list cells (role, liveness, load, cordon)")
     ce.add_argument("--json", action="store_true")
     ce.set_defaults(fn=cmd_cells)

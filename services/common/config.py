@@ -49,7 +49,12 @@ class ServerConfig:
     tls_key_file: str = setting("", "PEM private key of tls_cert_file.")
     tls_client_ca_file: str = setting("", "CA whose client certificates are required (mTLS) when set.")
     tls_ca_file: str = setting("", "CA this process trusts when it calls other services over TLS.")
-    auth_token: str = setting("", "Bearer token callers must present (and this process sends); empty = off.")
+    auth_token: str = setting("", "Bearer token callers must present (and this process sends); empty = off. "
+                                  "Prefer auth_token_file / auth_tokens_file: a value here shows in argv.")
+    auth_token_file: str = setting("", "File holding auth_token (what this process sends; without "
+                                       "auth_tokens_file also the one token accepted).")
+    auth_tokens_file: str = setting("", "Per-role tokens this server accepts, 'ROLE TOKEN' per line (roles: "
+                                        "internal, harness, operator); it sends its first internal token.")
 
     def __post_init__(self) -> None:
         check(0 <= self.port < 65536, "port", self.port, "an integer in [0, 65535]")

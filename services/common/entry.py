@@ -46,11 +46,9 @@ def run_service(name: str, config_cls: type[C], build: Callable[[C], Built],
     setup_logging(json=cfg.log_json, level=cfg.log_level, service=name)
     log = get_logger(f"services.{name}")
     try:
-        security.configure(security.Security(
-            tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
-            tls_client_ca_file=cfg.tls_client_ca_file, tls_ca_file=cfg.tls_ca_file, auth_token=cfg.auth_token))
+        security.configure(security.security_from(cfg))
         server, on_shutdown = build(cfg)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"gyre-{name}: {exc}", file=sys.stderr)
         return 2
     server.start()

@@ -3,8 +3,17 @@
 - TLS: a server with ``tls_cert_file``/``tls_key_file`` serves TLS; with ``tls_client_ca_file`` it
   also requires client certificates signed by that CA (mTLS).
 - Bearer tokens: with ``auth_token`` set, every RPC except health checks and reflection must carry
-  ``authorization: Bearer <token>`` metadata, else UNAUTHENTICATED. Harness-facing services
-  (gateway, reward, scheduler worker API) are the ones to protect; internal ones may share it.
+  ``authorization: Bearer <token>`` metadata, else UNAUTHENTICATED. One shared token holds every
+  role (a simple local setup).
+- Per-role tokens (``auth_tokens_file``: lines ``ROLE TOKEN``): a caller's token names its role,
+  and each RPC admits only some roles (``METHOD_ROLES``), else PERMISSION_DENIED before the
+  handler runs (a refused call writes nothing):
+
+  ``internal``   the services themselves: every RPC (a process sends the file's first internal token)
+  ``harness``    gateway calls, leases (Scheduler Worker API), workspace submit and scoring, its
+                 job's scorer (among those the reward service allows), reading its job
+  ``operator``   submit / cancel / watch jobs, cells and cordons, trainer status and admin,
+                 gateway engine admin, reading scores and trajectory stats
 
 Set once per process in ``main()`` (``configure``), like logging; ``build_server`` and
 ``open_channel`` pick it up so every service gets it without its own wiring.
@@ -21,6 +30,48 @@ from typing import Any
 import grpc
 
 PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+ROLES = ("internal", "harness", "operator")
+_H, _O = frozenset({"harness"}), frozenset({"operator"})
+_HO = _H | _O
+# Roles besides ``internal`` (which may call everything) admitted per method; unlisted: internal only.
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    **{f"/gyre.v1.Worker/{m}": _H for m in ("LeaseExecution", "Heartbeat", "CompleteExecution", "MintSession",
+                                              "ReleaseWorker")},
+    **{f"/gyre.v1.Gateway/{m}": _H for m in ("Generate", "GenerateStream")},
+    **{f"/gyre.v1.Gateway/{m}": _O for m in ("RegisterEngine", "DeregisterEngine", "DrainEngine", "ListEngines")},
+    "/gyre.v1.Reward/SubmitWorkspace": _H,
+    "/gyre.v1.Reward/Score": _H,  # a harness scores the executions it ran
+    "/gyre.v1.Reward/GetScore": _HO,
+    "/gyre.v1.Reward/ConfigureJob": _HO,  # among the scorers the reward service allows, no other
+    **{f"/gyre.v1.Scheduler/{m}": _O for m in ("SubmitJob", "ListJobs", "CancelJob", "WatchJob", "ListCells",
+                                                 "CordonCell", "GetExecution")},
+    "/gyre.v1.Scheduler/GetJob": _HO,
+    **{f"/gyre.v1.Trainer/{m}": _O for m in ("GetStatus", "WaitStep", "StartJob", "StopJob")},
+    **{f"/gyre.v1.Trajectory/{m}": _O for m in ("GetExecutionStats", "GetStepPlan")},
+}
+
+
+def roles_for(method: str) -> frozenset[str]:
+    """The roles that may call ``method`` (a full gRPC method name)."""
+    return METHOD_ROLES.get(method, frozenset()) | {"internal"}
+
+
+def read_tokens(path: str) -> tuple[tuple[str, str], ...]:
+    """``(role, token)`` pairs of a tokens file: ``ROLE TOKEN`` per line, ``#`` comments."""
+    if not path:
+        return ()
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        role, _, token = line.partition(" ")
+        token = token.strip()
+        if role not in ROLES or len(token) < 16:
+            raise ValueError(f"{path}:{n}: expected 'ROLE TOKEN' with ROLE one of {', '.join(ROLES)} and a "
+                             "token of at least 16 characters")
+        out.append((role, token))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -31,7 +82,8 @@ class Security:
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     tls_ca_file: str = ""  # CA that clients use to verify servers
-    auth_token: str = ""
+    auth_token: str = ""  # what this process sends (and, without ``tokens``, the one token accepted)
+    tokens: tuple[tuple[str, str], ...] = ()  # (role, token) this server accepts (auth_tokens_file)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -51,7 +103,31 @@ class Security:
         return grpc.ssl_server_credentials(pair)
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
+        if self.tokens:
+            return [RoleAuthInterceptor(self.tokens)]
         return [TokenAuthInterceptor(self.auth_token)] if self.auth_token else []
+
+    @property
+    def outgoing_token(self) -> str:
+        """The token this process sends: ``auth_token``, else the tokens file's first internal one."""
+        return self.auth_token or next((t for r, t in self.tokens if r == "internal"), "")
+
+    def role_of(self, token: str) -> str | None:
+        """The role ``token`` holds here ("internal" for the shared token), None if unknown; a
+        constant-time comparison with every configured token."""
+        found = None
+        for role, known in self.tokens or ((("internal", self.auth_token),) if self.auth_token else ()):
+            if hmac.compare_digest(token.encode(), known.encode()):
+                found = found or role
+        return found
+
+
+def security_from(cfg: Any) -> Security:
+    """A process's Security from its ServerConfig (token files read here: secrets never on argv)."""
+    token = cfg.auth_token or (Path(cfg.auth_token_file).read_text().strip() if cfg.auth_token_file else "")
+    return Security(tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
+                    tls_client_ca_file=cfg.tls_client_ca_file, tls_ca_file=cfg.tls_ca_file, auth_token=token,
+                    tokens=read_tokens(cfg.auth_tokens_file))
 
 
 _PROCESS = Security()
@@ -84,10 +160,34 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         return _deny(continuation(details))
 
 
-def _deny(handler: Any) -> Any:
+class RoleAuthInterceptor(grpc.ServerInterceptor):
+    """Per-role tokens: UNAUTHENTICATED for an unknown token, PERMISSION_DENIED for a role the
+    method does not admit (``METHOD_ROLES``); both before the handler runs."""
+
+    def __init__(self, tokens: tuple[tuple[str, str], ...]) -> None:
+        self._security = Security(tokens=tokens)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        if details.method.startswith(PUBLIC_PREFIXES):
+            return continuation(details)
+        presented = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(presented, bytes):
+            presented = presented.decode(errors="replace")
+        role = self._security.role_of(presented.removeprefix("Bearer ")) if presented.startswith("Bearer ") else None
+        if role is None:
+            return _deny(continuation(details))
+        allowed = roles_for(details.method)
+        if role in allowed:
+            return continuation(details)
+        need = " or ".join(sorted(allowed - {"internal"})) or "internal (a service's)"
+        return _deny(continuation(details), grpc.StatusCode.PERMISSION_DENIED,
+                     f"a {role} credential may not call {details.method}: it needs an {need} credential")
+
+
+def _deny(handler: Any, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+          message: str = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'") -> Any:
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'")
+        context.abort(code, message)
 
     if handler is None:
         return None
@@ -124,13 +224,13 @@ def open_channel(address: str, *, security: Security | None = None, max_message_
         key = Path(sec.tls_key_file).read_bytes() if sec.tls_key_file else None
         cert = Path(sec.tls_cert_file).read_bytes() if sec.tls_cert_file else None
         creds = grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=cert)
-        if sec.auth_token:
+        if sec.outgoing_token:
             creds = grpc.composite_channel_credentials(
-                creds, grpc.metadata_call_credentials(_TokenCallCredentials(sec.auth_token)))
+                creds, grpc.metadata_call_credentials(_TokenCallCredentials(sec.outgoing_token)))
         return grpc.secure_channel(address, creds, options=options)
     channel = grpc.insecure_channel(address, options=options)
-    if sec.auth_token:
-        channel = grpc.intercept_channel(channel, _MetadataInterceptor(sec.auth_token))
+    if sec.outgoing_token:
+        channel = grpc.intercept_channel(channel, _MetadataInterceptor(sec.outgoing_token))
     return channel
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from services.common.errors import InvalidArgument
 from services.rollout.chat import text_parts
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                410: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
 
 

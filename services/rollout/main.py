@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from protos.gyre.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common import security
 from services.common.entry import Built, run_service
 from services.common.errors import GyreError
 from services.common.logging import get_logger
@@ -211,7 +212,8 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                                   prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions,
                                   tool_parser=cfg.tool_parser)
         http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
-                            max_body_bytes=cfg.http_max_body_mb << 20, auth_token=cfg.auth_token,
+                            max_body_bytes=cfg.http_max_body_mb << 20,
+                            auth_token=security.current().auth_token, tokens=security.current().tokens,
                             idle_timeout_s=cfg.http_idle_timeout_s, max_connections=cfg.http_max_connections,
                             tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file).start()
         public = cfg.http_advertise_url or (f"{http.scheme}://{advertised_host(cfg.http_host, towards=cfg.redis_url)}:"

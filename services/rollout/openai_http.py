@@ -25,7 +25,6 @@ Errors are OpenAI-style JSON: 400 bad input, 401 bad bearer token, 404 unknown r
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import itertools
 import json
 import queue
@@ -572,10 +571,14 @@ class OpenAIServer:
 
     def __init__(self, endpoint: OpenAIEndpoint, *, host: str = "127.0.0.1", port: int = 0,
                  max_body_bytes: int = 64 << 20, auth_token: str = "", idle_timeout_s: float = 60.0,
-                 max_connections: int = 4096, tls_cert_file: str = "", tls_key_file: str = "") -> None:
+                 max_connections: int = 4096, tls_cert_file: str = "", tls_key_file: str = "",
+                 tokens: tuple[tuple[str, str], ...] = ()) -> None:
+        from services.common.security import Security
+
         self.endpoint = endpoint
         self.max_body_bytes = max_body_bytes
-        self.auth_token = auth_token
+        # the one shared token, or per-role tokens (harness and internal ones are admitted)
+        self.auth = Security(auth_token=auth_token, tokens=tokens)
         tls = None
         if tls_cert_file:
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -618,14 +621,25 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("http connection closed", reason=type(exc).__name__)
 
     def _authorized(self) -> bool:
-        """With an auth token configured, callers must send ``Authorization: Bearer <token>``."""
-        token = self.server_ref.auth_token
-        if not token:
+        """With tokens configured, callers must send ``Authorization: Bearer <token>`` (or
+        ``x-api-key``) holding a harness (or internal) credential."""
+        auth = self.server_ref.auth
+        if not auth.auth_token and not auth.tokens:
             return True
         given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or \
             (self.headers.get("x-api-key") or "").strip()  # (Anthropic clients send x-api-key)
-        if hmac.compare_digest(given.encode(), token.encode()):
+        role = auth.role_of(given)
+        if role in ("harness", "internal"):
             return True
+        if role is not None:  # a valid operator credential: not for model calls
+            self.close_connection = True
+            message = f"a {role} credential may not call the model endpoint: it needs a harness credential"
+            if self._anthropic():
+                self._json(403, anthropic.error_body(403, message))
+            else:
+                self._json(403, {"error": {"message": message, "type": "permission_error", "param": None,
+                                           "code": "permission_denied"}})
+            return False
         self.close_connection = True
         if self._anthropic():
             self._json(401, anthropic.error_body(401, "missing or wrong API key"))

@@ -16,6 +16,9 @@ class HarnessConfig:
     scheduler: str = setting("127.0.0.1:50050", "host:port of the scheduler's worker API.")
     gateway: str = setting("127.0.0.1:50052", "host:port of the rollout gateway (TITO gRPC).")
     reward: str = setting("127.0.0.1:50053", "host:port of the reward service.")
+    auth_token_file: str = setting("", "File holding this harness's credential (a harness token; see "
+                                       "`gyre credentials`); empty = none (local stacks).")
+    tls_ca_file: str = setting("", "CA (PEM) the services' TLS certificates are checked against; empty = plaintext.")
     concurrency: int = setting(4, "Executions run at once (one thread each).")
     job_id: str = setting("", "Lease only this job's executions; empty = any job.")
     worker_id: str = setting("", "Stable name of this worker process, shown in the scheduler. When set, the process "

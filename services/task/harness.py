@@ -412,6 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gyre-harness: {exc}", file=sys.stderr)
         return 2
     setup_logging(json=cfg.log_json, level=cfg.log_level, service="harness")
+    if cfg.auth_token_file or cfg.tls_ca_file:
+        from pathlib import Path
+
+        from services.common import security
+
+        token = Path(cfg.auth_token_file).read_text().strip() if cfg.auth_token_file else ""
+        security.configure(security.Security(auth_token=token, tls_ca_file=cfg.tls_ca_file))
     from services.reward.client import RewardClient
     from services.rollout.client import GatewayClient
     from services.scheduler.client import SchedulerClient

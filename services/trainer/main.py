@@ -102,10 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             path, args = args[i + 1], args[:i] + args[i + 2:]
         try:
             cfg = load_config(TrainerConfig, path=path, section="trainer", env_prefix="GYRE_TRAINER_", argv=args)
-            security.configure(security.Security(
-                tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
-                tls_client_ca_file=cfg.tls_client_ca_file, tls_ca_file=cfg.tls_ca_file, auth_token=cfg.auth_token))
-        except ValueError as exc:
+            security.configure(security.security_from(cfg))
+        except (ValueError, OSError) as exc:
             print(f"gyre-trainer: {exc}", file=sys.stderr)
             return 2
         return run_replica(cfg)

@@ -144,10 +144,14 @@ def _cordon_a_rollout_cell(data: Path) -> str:
     return rolling[0]
 
 
-def _switches_again(data: Path, before: int) -> None:
-    """Once cell-1's agent is back, make the running job's policy switch cell-1, whatever role it
-    holds: rolling out, it is cordoned (drained to training); training, the other cell is cordoned
-    (cell-1 must come back to roll out). Waits until the registry shows cell-1 in its new role."""
+def _switches_again(data: Path, before: int, job_id: str) -> None:
+    """Once cell-1's agent is back, make the policy switch cell-1, whatever role it holds: rolling
+    out, it is cordoned (drained to training); training, the other cell is cordoned (cell-1 must come
+    back to roll out). Waits until the registry shows cell-1 in its new role. The policy moves cells
+    only for a running job: should the test's job end first (its last step may be training by the
+    time the agent is back), a second job is submitted to drive the switch, and waited for."""
+    from services.scheduler.client import SchedulerClient
+
     assert _restarted(data, "cell-1", before)[0]
     deadline = time.monotonic() + 120
     while (role := _cells(data)["cell-1"]["role"]) == "switching":  # a switch from before the kill
@@ -155,10 +159,21 @@ def _switches_again(data: Path, before: int) -> None:
         time.sleep(0.2)
     cordon, target = ("cell-1", "train") if role == "rollout" else ("cell-2", "rollout")
     gyre(data, "cordon", cordon, "--reason", "crash test: switch cell-1 again")
-    while _cells(data)["cell-1"]["role"] != target:
-        assert time.monotonic() < deadline, (f"cell-1 did not switch from {role} to {target}", _cells(data),
-                                             _switch_log(data))
-        time.sleep(0.2)
+    extra = ""
+    with SchedulerClient(_state(data)["services"]["scheduler"]["address"]) as sched:
+        while _cells(data)["cell-1"]["role"] != target:
+            if not extra and sched.get_job(job_id).state.terminal:
+                extra = gyre(data, "submit", str(REPO / "deploy" / "config" / "job.toml"), *JOB,
+                             "--num_steps", "2").stdout.strip().splitlines()[-1]
+                deadline = time.monotonic() + 120
+            assert time.monotonic() < deadline, (f"cell-1 did not switch from {role} to {target}", _cells(data),
+                                                 _switch_log(data))
+            time.sleep(0.2)
+    if extra:  # let it end before the next test's job
+        gyre(data, "uncordon", cordon)
+        watch = subprocess.run([PY, "-m", "services.cli", "--data-dir", str(data), "watch", extra, "--json"], cwd=REPO,
+                               capture_output=True, text=True, timeout=600)
+        assert json.loads(watch.stdout.splitlines()[-1])["state"] == "completed", watch.stdout[-2000:]
 
 
 def _switch_log(data: Path, last: int = 12) -> list[str]:
@@ -207,7 +222,7 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
             replica_id, before = _joined_replica(stack, lambda: watch.poll() is not None)
         os.kill(before, signal.SIGKILL)
         if victim == "cell-1":
-            _switches_again(stack, before)
+            _switches_again(stack, before, job_id)
         events += [json.loads(line) for line in watch.stdout]
         assert watch.wait(timeout=700) == 0, events[-3:]
     finally:

@@ -197,6 +197,35 @@ def test_the_endpoint_serves_tls(stack: tuple[OpenAIServer, LocalGateway, Any], 
         server.stop()
 
 
+def test_per_role_tokens_admit_harnesses_only(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+    """With per-role tokens the endpoint admits harness (and internal) credentials; an operator's
+    valid credential gets 403, an unknown one 401, each in the API's own error shape."""
+    import anthropic
+
+    _, gw, tok = stack
+    tokens = (("harness", "harness-token-0123456789"), ("operator", "operator-token-0123456789"),
+              ("internal", "internal-token-0123456789"))
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny")
+    server = OpenAIServer(endpoint, tokens=tokens).start()
+    try:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=60)
+
+        for role, key in tokens:
+            if role != "operator":
+                assert [m.id for m in client(key).models.list()] == ["gyre-tiny"]
+        with pytest.raises(openai.PermissionDeniedError, match="operator credential may not call"):
+            client("operator-token-0123456789").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            client("not-a-token-at-all-0123").models.list()
+        claude = anthropic.Anthropic(base_url=server.base_url.removesuffix("/v1"), api_key="operator-token-0123456789",
+                                     max_retries=0)
+        with pytest.raises(anthropic.PermissionDeniedError):
+            claude.messages.create(model="gyre-tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        server.stop()
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8),
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                         max_size=3), max_leaves=8)
