@@ -124,15 +124,17 @@ class SandboxSpec:
         argv += ["--die-with-parent", "--new-session", "--hostname", "gyre-scorer", "--clearenv"]
         for name, value in self.environment(uid).items():
             argv += ["--setenv", name, value]
+        # the scratch tmpfs first: binds below /tmp (a checkout in /tmp) are mounted over it, not hidden
+        size = str(self.scratch_mb << 20)
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size,
+                 "--tmpfs", "/ws"]
         ro = self.read_only_paths()
         parents = sorted({str(q) for p in ro for q in Path(p).parents if str(q) != "/"} - set(ro))
         for parent in parents:  # traversable by the sandbox's user (bubblewrap would make them 0700)
             argv += ["--perms", "0755", "--dir", parent]
         for path in ro:
             argv += ["--ro-bind", path, path]
-        size = str(self.scratch_mb << 20)
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size,
-                 "--tmpfs", "/ws", "--chdir", "/ws"]
+        argv += ["--chdir", "/ws"]
         return argv + worker + ["--scratch", scratch, "--reap"]
 
     def environment(self, uid: int) -> dict[str, str]:

@@ -360,6 +360,11 @@ class JobController:
                 statuses["unscored"] = statuses.get("unscored", 0) + 1
                 continue
             self._ended_unscored.pop(eid, None)
+            if score.reward is None:  # excluded (its scorer failed, or the policy excludes it): not a pass
+                rewards.append(0.0)
+                key = f"{score.status}:{score.state}" if score.state and score.state != "ok" else score.status
+                statuses[key] = statuses.get(key, 0) + 1
+                continue
             rewards.append(float(score.reward))
             statuses[score.status] = statuses.get(score.status, 0) + 1
         n = max(len(rewards), 1)
