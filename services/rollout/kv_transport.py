@@ -7,8 +7,9 @@ Two transports behind one seam, chosen by the receiver's address:
 - ``ucx://host:port/<worker address hex>`` (``UcxTransport``, package ``ucxx``): the same TCP
   socket carries the header and the acks (it also proves the receiver is alive before UCX
   touches it); the arrays go as tagged UCX messages to the receiver's worker address. Endpoints
-  made from worker addresses with ``endpoint_error_handling=False`` reach shared memory on one
-  host (~3-4 GiB/s here) and RDMA where the fabric has it; ucxx's listener path would only use TCP.
+  made from worker addresses reach shared memory on one host and RDMA where the fabric has it
+  (ucxx's listener path would only use TCP); peer error handling is a setting
+  (``GYRE_UCX_ENDPOINT_ERROR_HANDLING``, off: it costs the shared-memory path, see below).
 
 Wire protocol (one migration per TCP connection; JSON header, raw little-endian arrays)::
 
@@ -75,6 +76,12 @@ SEEN_NONCES = 65536
 STALL_TIMEOUT_S = 120.0
 UCX_MIN_BUDGET_S = 5.0  # a UCX transfer gets this plus its bytes at UCX_FLOOR_BYTES_PER_S (then TCP)
 UCX_FLOOR_BYTES_PER_S = 20e6
+# UCX endpoints with peer error handling ("1"): a peer dying mid-transfer fails that transfer
+# at once. Off by default: on this host it excludes UCX's shared-memory transports, and 256 MiB
+# moved at 0.47-0.55 GiB/s instead of 2.1-2.9 GiB/s (below TCP's 1.1-1.4). Without it a dead
+# peer's transfer stalls until the sender's UCX budget (then it resends over TCP) and the
+# receiver's STALL_TIMEOUT_S drops the connection; neither process goes down.
+ENDPOINT_ERROR_HANDLING = os.environ.get("GYRE_UCX_ENDPOINT_ERROR_HANDLING", "0") == "1"
 
 FALLBACKS = Counter(
     "gyre_rollout_migration_fallbacks_total",
@@ -289,7 +296,7 @@ class _Ucx:
         ep = self._endpoints.get(address)
         if ep is None or ep.closed:
             ep = await self.ucxx.create_endpoint_from_worker_address(
-                self.ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False)
+                self.ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=ENDPOINT_ERROR_HANDLING)
             self._endpoints[address] = ep
         return ep
 

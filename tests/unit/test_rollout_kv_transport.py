@@ -178,3 +178,56 @@ def test_signed_migrations_only_and_bounded_before_allocation(kind: str) -> None
         assert len(got) == 1  # nothing refused reached the engine
     finally:
         kv_transport.close_receiver(address)
+
+
+def test_fuzzed_bytes_on_the_receiver_port_are_refused_and_it_keeps_serving() -> None:
+    """Hypothesis-generated garbage on a signed receiver's port (random bytes, truncated or
+    oversized frames, headers of the wrong shape or types, wrong versions and keys): each is
+    refused or dropped, nothing reaches the engine, and a real signed migration still lands."""
+    import json
+    import socket
+    import struct
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    key = b"f" * 32
+    got: list[MigrationState] = []
+    address = kv_transport.make_receiver("tcp", got.append, key=key, max_bytes=8 << 20)
+    _scheme, host, port, _w = kv_transport.parse_address(address)
+    state = _state(layers=1, tokens=600)
+    good = kv_transport.state_header(state, kv_transport.state_arrays(state), mode="tcp", tag=1)
+    values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=6),
+                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=4), max_leaves=10)
+    headers = st.one_of(
+        st.dictionaries(st.sampled_from(list(good) + ["mac", "ts", "nonce"]), values, max_size=8),
+        st.builds(lambda k, v: {**good, k: v}, st.sampled_from(list(good)), values),  # one field wrong
+        st.builds(lambda h, signed_with: kv_transport.sign(h, signed_with),
+                  st.just(good), st.sampled_from([b"", b"other-deployment-key-123456789012"])))
+    frames = st.one_of(
+        st.binary(max_size=64),  # no magic, short reads
+        st.builds(lambda n: kv_transport.MAGIC + struct.pack("<I", n), st.integers(0, 2**32 - 1)),  # truncated
+        st.builds(lambda h: (lambda b: kv_transport.MAGIC + struct.pack("<I", len(b)) + b)(json.dumps(h).encode()),
+                  headers))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(frames)
+    def offer(frame: bytes) -> None:
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            try:
+                while s.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
+
+    try:
+        offer()
+        assert got == []
+        kv_transport.send_state("tcp", address, state, key=key)  # still serving
+        assert len(got) == 1
+    finally:
+        kv_transport.close_receiver(address)
