@@ -147,6 +147,9 @@ def cmd_credentials(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True, mode=0o750)
     files = {"tokens": "", "harness.token": "", "operator.token": "", "internal.token": "", "kv.key": ""}
     existing = [f for f in files if (out / f).exists()]
+    if args.keep and len(existing) == len(files):
+        print(f"{out} already holds this deployment's credentials; kept")
+        return 0
     if existing and not args.force:
         print(f"gyre: {out} already holds {', '.join(existing)}; --force makes new ones (every holder must get them)",
               file=sys.stderr)
@@ -322,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     cr = sub.add_parser("credentials", help="make a deployment's per-role tokens and KV key in DIR")
     cr.add_argument("dir")
     cr.add_argument("--force", action="store_true", help="replace existing ones")
+    cr.add_argument("--keep", action="store_true", help="succeed without writing when DIR holds them all")
     cr.set_defaults(fn=cmd_credentials)
     ce = sub.add_parser("cells", parents=[client], help="list cells (role, liveness, load, cordon)")
     ce.add_argument("--json", action="store_true")

@@ -37,7 +37,9 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "Interface the gRPC server binds.")
     port: int = setting(0, "gRPC port; 0 picks a free port (printed at start).")
-    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding queues, registry and indexes.")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding queues, registry and indexes; "
+                                                         "env:NAME reads it from that environment variable "
+                                                         "(a URL with a password stays off argv).")
     spool_dir: str = setting(".gyre/spool", "Blob spool directory for large payloads.")
     metrics_port: int = setting(-1, "Prometheus /metrics port; 0 = any free port, -1 = disabled.")
     log_json: bool = setting(True, "Log one JSON object per line (else a console format).")
@@ -57,6 +59,11 @@ class ServerConfig:
                                         "internal, harness, operator); it sends its first internal token.")
 
     def __post_init__(self) -> None:
+        if self.redis_url.startswith("env:"):
+            name = self.redis_url.removeprefix("env:")
+            value = os.environ.get(name, "")
+            check(bool(value), "redis_url", self.redis_url, f"an environment variable {name} that is set")
+            object.__setattr__(self, "redis_url", value)
         check(0 <= self.port < 65536, "port", self.port, "an integer in [0, 65535]")
         check(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port, "-1, 0 or a port")
         check(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",

@@ -232,9 +232,11 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
     try:
         redis_dir = root / "a" / "redis"
         redis_dir.mkdir(parents=True)
-        hosts.start("redis", "a", [shutil.which("redis-server") or "redis-server", "--port", "6379", "--bind", a,
-                                   "--dir", str(redis_dir), "--appendonly", "yes", "--save", "",
-                                   "--requirepass", REDIS_PASSWORD], {})
+        conf = redis_dir / "redis.conf"  # the password in a file (mode 0600), not on argv
+        conf.write_text(f"requirepass {REDIS_PASSWORD}\n")
+        conf.chmod(0o600)
+        hosts.start("redis", "a", [shutil.which("redis-server") or "redis-server", str(conf), "--port", "6379",
+                                   "--bind", a, "--dir", str(redis_dir), "--appendonly", "yes", "--save", ""], {})
         _wait_redis(env["REDIS_URL"], hosts)
         hosts.start("trajectory", "a", unit_argv("gyre-trajectory.service", per_host["a"]), per_host["a"])
         hosts.start("reward", "a", unit_argv("gyre-reward.service", per_host["a"]), per_host["a"])
@@ -258,6 +260,16 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
                                      f"{a}:50050", "--gateway", f"{c}:50060", "--reward", f"{a}:50052",
                                      "--model-dir", str(resolve_model("builtin-tiny")), "--concurrency", "4", "--call-retries", "60"],
                     per_host["b"])
+        # the units name the Redis URL's variable (--redis-url env:REDIS_URL): its password is in no
+        # process's command line (anyone on a host can read /proc/*/cmdline)
+        leaked = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if REDIS_PASSWORD.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    leaked.append(pid)
+            except OSError:
+                pass
+        assert not leaked, leaked
         yield hosts, {"scheduler": f"{a}:50050", "gateway": f"{c}:50060", "trainer": f"{a}:50053"}
     finally:
         hosts.stop()

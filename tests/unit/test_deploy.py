@@ -114,7 +114,7 @@ def compose() -> dict[str, Any]:
 
 
 def gyre_services() -> dict[str, dict[str, Any]]:
-    return {k: v for k, v in compose()["services"].items() if k != "redis"}
+    return {k: v for k, v in compose()["services"].items() if k not in ("redis", "credentials")}
 
 
 def env_fields(env: dict[str, str] | list[str]) -> list[tuple[str, str]]:
@@ -267,3 +267,49 @@ def test_a_typo_in_a_shipped_config_would_be_caught(tmp_path: Path) -> None:
     bad.write_text((DEPLOY / "config" / "compose.toml").read_text().replace("token_budget", "token_budgte"))
     with pytest.raises(ValueError, match="unknown field 'token_budgte'"):
         load_config(config_class("trajectory"), path=bad, section="trajectory")
+
+
+def test_units_keep_the_redis_url_off_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis URL holds its password: units name the variable (``env:REDIS_URL``), which each
+    service resolves at start; a missing variable is a clear config error."""
+    from services.common.config import ServerConfig
+
+    for unit in UNITS:
+        argv = unit_argv(unit) if "--redis-url" in parse_unit(unit)["Service"]["ExecStart"][0] else None
+        if argv is not None:
+            assert flag_value(argv, "--redis-url") == "env:REDIS_URL", unit.name
+    monkeypatch.setenv("REDIS_URL", "redis://:s3cret@10.0.0.1:6379/0")
+    assert ServerConfig(redis_url="env:REDIS_URL").redis_url == "redis://:s3cret@10.0.0.1:6379/0"
+    monkeypatch.delenv("REDIS_URL")
+    with pytest.raises(ValueError, match="REDIS_URL that is set"):
+        ServerConfig(redis_url="env:REDIS_URL")
+
+
+def test_compose_makes_credentials_once_and_every_service_uses_them(tmp_path: Path) -> None:
+    spec = compose()
+    cred = spec["services"]["credentials"]
+    assert cred["command"][:4] == ["python", "-m", "services.cli", "credentials"]
+    for name, svc in gyre_services().items():
+        assert any(str(v).startswith("credentials:") for v in svc["volumes"]), name
+        env = svc.get("environment", {})
+        section = name.split("-")[0].replace("cell", "cell_agent").upper()
+        tokens = env.get(f"GYRE_{section}_AUTH_TOKENS_FILE")
+        assert tokens == "/var/lib/gyre/credentials/tokens", (name, sorted(env))
+    # what that service runs: every role's token once, the KV key, mode 0640; --keep keeps them
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "credentials", str(tmp_path / "c"), *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    assert run().returncode == 0
+    lines = [line.split() for line in (tmp_path / "c" / "tokens").read_text().splitlines() if not line.startswith("#")]
+    assert sorted(r for r, _ in lines) == ["harness", "internal", "operator"] and len({t for _, t in lines}) == 3
+    assert all(((tmp_path / "c" / f).stat().st_mode & 0o777) == 0o640 for f in ("tokens", "kv.key", "harness.token"))
+    before = (tmp_path / "c" / "tokens").read_text()
+    assert run("--keep").returncode == 0 and (tmp_path / "c" / "tokens").read_text() == before
+    assert run().returncode == 2  # never overwritten by accident
+    from services.common.security import read_tokens
+
+    assert len(read_tokens(str(tmp_path / "c" / "tokens"))) == 3
