@@ -48,6 +48,8 @@ class TraceSpec:
     tool_tail_scale_s: float = 60.0
     tool_tail_alpha: float = 1.5
     tool_tail_cap_s: float = 1800.0
+    deadline_s: float | None = None
+    """Every execution's ``timeout_s`` (real executions have one); None: no deadlines."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +61,8 @@ class TraceSpec:
             raise ValueError("gen_fraction must be in (0, 1)")
         if self.tail_share is not None and not 0 < self.tail_share < 1:
             raise ValueError("tail_share must be in (0, 1)")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError("deadline_s must be > 0")
 
 
 @dataclass
@@ -132,7 +136,8 @@ def _build(spec: TraceSpec, st: _Streams, sigma: float) -> list[TraceExecution]:
         name = f"s{step:03d}-g{g:03d}"
         out.append(TraceExecution(step=step, group=name, execution_id=f"{name}-e{k:02d}",
                                   prompt_tokens=np.maximum(1, np.round(prompt * scale)).astype(np.int64),
-                                  gen_tokens=np.maximum(1, np.round(gen * scale)).astype(np.int64), env_s=env))
+                                  gen_tokens=np.maximum(1, np.round(gen * scale)).astype(np.int64), env_s=env,
+                                  timeout_s=spec.deadline_s))
     return out
 
 

@@ -1,9 +1,12 @@
 """The physical lower bound on a trace's makespan: max(total work / cells, longest dependent chain).
 
 No schedule of any mode can beat it under the cost model (switches, migrations and weight sync
-are free here, which only lowers it). Executions with a ``timeout_s`` may stop early, by an amount
-that depends on the schedule, so their work and tokens are left out (their latency still counts,
-capped at the deadline).
+are free here, which only lowers it). An execution with a ``timeout_s`` ends at the first turn
+boundary past its deadline, so how much of it runs depends on the schedule (a slowed execution
+does fewer turns). It contributes the turns a solo run completes before its deadline: the work any
+schedule must do that does not stop it earlier than a solo run would (``must_do``). Without this,
+a trace where every execution has a deadline had a work bound of 0. Its latency counts in the
+chain, capped at the deadline.
 
 Work. Rollout occupies KV slots: an execution holds one slot through its model calls and its
 tool time. A cell with ``n`` active calls and ``m`` executions in tool time (``n + m <= slots``)
@@ -80,11 +83,21 @@ def rollout_cell_seconds(model_work_s: float, env_s: float, cost: CostModel) -> 
     return float(best)
 
 
+def must_do(e: TraceExecution, cost: CostModel) -> int:
+    """Turns of ``e`` a solo run completes: all of them, or up to the first turn boundary at or past
+    its ``timeout_s`` (the simulator's and the harness's rule: an execution ends between turns)."""
+    if e.timeout_s is None:
+        return len(e.env_s)
+    elapsed = np.cumsum(e.model_work_s(cost) + e.env_s)
+    past = np.flatnonzero(elapsed >= e.timeout_s)
+    return int(past[0]) + 1 if past.size else len(e.env_s)
+
+
 def lower_bound(trace: Sequence[TraceExecution], cost: CostModel, staleness_bound: int) -> LowerBound:
     """max(total work / cells, longest dependent chain) for ``trace`` under ``cost``."""
     n_steps = max(e.step for e in trace) + 1
-    # An execution with a deadline may stop early (how early depends on the schedule), so only
-    # executions without one count toward work; all count toward the chain (latency capped).
+    # An execution with a deadline counts with the turns a solo run completes (see ``must_do``);
+    # every execution counts toward the chain (latency capped at its deadline).
     model = np.zeros(n_steps)
     env = np.zeros(n_steps)
     tokens = np.zeros(n_steps)
@@ -94,11 +107,12 @@ def lower_bound(trace: Sequence[TraceExecution], cost: CostModel, staleness_boun
         lat = e.solo_latency_s(cost)
         if e.step not in longest or lat > longest[e.step][0]:
             longest[e.step] = (lat, e.group)
-        if e.timeout_s is None:
-            model[e.step] += float(e.model_work_s(cost).sum())
-            env[e.step] += float(e.env_s.sum())
-            tokens[e.step] += e.total_tokens
-            group_tokens[e.group] += e.total_tokens
+        t = must_do(e, cost)
+        n_tokens = int(e.prompt_tokens[:t].sum() + e.gen_tokens[:t].sum())
+        model[e.step] += float(e.model_work_s(cost)[:t].sum())
+        env[e.step] += float(e.env_s[:t].sum())
+        tokens[e.step] += n_tokens
+        group_tokens[e.group] += n_tokens
 
     def work_of(steps: slice) -> float:
         """Cell-seconds lower bound of a set of steps' rollout + training (the core never rolls out)."""

@@ -244,3 +244,23 @@ def test_bench_cli_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert bench_main(["--trace", str(path), "--cells", "1"]) == 2
     assert bench_main(["--trace", str(path), "--cells", "3", "--modes", "nope"]) == 2
     assert "gyre bench scheduler:" in capsys.readouterr().err
+
+
+def test_executions_with_deadlines_count_the_turns_a_solo_run_completes() -> None:
+    from dataclasses import replace
+
+    from services.scheduler.bounds import must_do
+
+    cost = CostModel(num_cells=2, idle_to_rollout_s=0.0)
+    long = execution(0, "g", "long", [(0, 50, 10.0)] * 10, timeout_s=15.0)
+    # solo: turn 1 ends at 11 s, turn 2 at 22 s (past 15 s): two turns, as the simulator stops it
+    assert must_do(long, cost) == 2 and must_do(replace(long, timeout_s=None), cost) == 10
+    assert must_do(replace(long, timeout_s=1e9), cost) == 10
+    # every execution with a deadline: the work term is that of the solo-completed prefixes, not 0
+    trace = [replace(e, timeout_s=0.5 * e.solo_latency_s(cost)) for e in small_trace(steps=2, per_step=16)]
+    cut = [replace(e, prompt_tokens=e.prompt_tokens[:t], gen_tokens=e.gen_tokens[:t], env_s=e.env_s[:t],
+                   timeout_s=None) for e in trace for t in [must_do(e, small_cost())]]
+    lb, plain = lower_bound(trace, small_cost(), 1), lower_bound(cut, small_cost(), 1)
+    assert lb.work_bound_s > 0 and lb.work_bound_s == pytest.approx(plain.work_bound_s)
+    assert lb.rollout_cell_s == pytest.approx(plain.rollout_cell_s)
+    assert lb.train_cell_s == pytest.approx(plain.train_cell_s)
