@@ -67,7 +67,15 @@ def canonical(message: Message) -> str:
         raise InvalidArgument("each message must be an object with a 'role'")
     keep = {k: message[k] for k in ("role", "content", "name", "tool_calls", "tool_call_id")
             if message.get(k) is not None}
+    if isinstance(keep.get("content"), list):  # text parts and the same text as a string are one prompt
+        keep["content"] = content_text(message)
     return json.dumps(keep, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def as_text_content(messages: Sequence[Message]) -> list[Message]:
+    """Messages whose content is a list of text parts, with that content as one string (chat
+    templates concatenate content as a string; clients such as smolagents send parts)."""
+    return [{**m, "content": content_text(m)} if isinstance(m.get("content"), list) else m for m in messages]
 
 
 def content_text(message: Message) -> str:
@@ -192,7 +200,7 @@ class PromptCache:
     def _apply_template(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> str:
         extra = {"tools": [{"type": "function", "function": t} for t in tools]} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+            text = self.tokenizer.apply_chat_template(as_text_content(messages), tokenize=False,
                                                       add_generation_prompt=True, **extra)
         except Exception as exc:  # template errors are the caller's malformed messages
             raise InvalidArgument(f"cannot render the chat template for these messages: {exc}") from exc

@@ -279,7 +279,7 @@ def prepare_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[st
                 open_ids.add(c["id"])
             text = raw.get(parsed[0].id)
             if text is None or any(raw.get(c.id) != text for c in parsed):
-                content = m.get("content") or ""
+                content = content_text(m)
                 text = (content + "\n" if content else "") + "\n".join(fmt.render_call(c) for c in parsed)
             out.append({"role": "assistant", "content": text})
             continue
@@ -288,7 +288,7 @@ def prepare_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[st
             if not isinstance(cid, str) or cid not in open_ids:
                 raise InvalidArgument(f"messages[{i}] answers tool_call_id {cid!r}, which no earlier assistant "
                                       "message called")
-            out.append({"role": "tool", "content": m.get("content") or "", "tool_call_id": cid})
+            out.append({"role": "tool", "content": content_text(m), "tool_call_id": cid})
             continue  # (a tool message without an id is a plain observation turn, rendered as is)
         out.append({k: v for k, v in m.items() if k != "tool_calls"})
     if tools and not template_tools:

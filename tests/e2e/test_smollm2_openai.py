@@ -400,6 +400,54 @@ def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack
         assert stack.forwarder.flush(timeout_s=60)
         stats = stack.trajectory.execution_stats(lease.execution_id, job_id="agents-job")
         assert stats.num_calls == 1 and stats.paths == 1 and stats.trainable_tokens > 0
+        sched.client.cancel_job("agents-job", "test over")  # the next test's job is admitted
+
+
+def test_a_smolagents_tool_calling_agent_runs_against_a_session_base_url(stack: Stack) -> None:
+    """Third-party agent code, unmodified: a smolagents ToolCallingAgent (its OpenAIServerModel:
+    tools, tool_choice, multi-token stop sequences) configured with nothing but a lease's session
+    base URL; every model call it makes is recorded under the lease's execution."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    from services.scheduler.jobs import Mode, TaskSource
+    from services.scheduler.orchestrator import Orchestrator
+    from tests.service.scheduler_support import in_process_scheduler, job_spec
+
+    asked: list[str] = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city.
+
+        Args:
+            city: the city's name
+        """
+        asked.append(city)
+        return "sunny, 21 C"
+
+    class NoActuator:
+        def switch(self, *args: object, **kw: object) -> None:
+            raise AssertionError("no cells are registered")
+
+    with in_process_scheduler(stack.redis_url) as sched:
+        sched.client.submit_job(job_spec("smol-job", num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
+                                         tasks=TaskSource(payloads=(b"weather",))))
+        assert Orchestrator(sched.state, NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+        lease = sched.client.lease("smol-harness", job_id="smol-job")
+        assert lease is not None and lease.session_base_url
+        model = OpenAIServerModel(model_id=SERVED, api_base=lease.session_base_url, api_key="unused",
+                                  client_kwargs={"max_retries": 0}, max_tokens=24, temperature=0)
+        agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=1, verbosity_level=0)
+        answer = agent.run("What is the weather in Paris?")  # one tool-calling step, then its final answer call
+        assert answer is not None
+        steps = [s for s in agent.memory.steps if type(s).__name__ == "ActionStep"]
+        # the endpoint answered each step (the 135M model often names a tool that does not exist, e.g.
+        # "weather_in_paris": the SDK reports that to the model as the step's error, as it should)
+        assert steps and all(s.token_usage is not None and s.token_usage.output_tokens > 0 for s in steps)
+        assert stack.forwarder.flush(timeout_s=60)
+        stats = stack.trajectory.execution_stats(lease.execution_id, job_id="smol-job")
+        assert stats.num_calls >= 2 and stats.trainable_tokens > 0  # the step's call and the final answer's
+        sched.client.cancel_job("smol-job", "test over")
 
 
 # Like templates that drop earlier reasoning: an earlier assistant turn renders other than it was generated.

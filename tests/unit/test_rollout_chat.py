@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from services.common.errors import InvalidArgument
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from services.rollout.chat import PromptCache
@@ -47,6 +49,25 @@ def test_next_turn_reuses_generated_ids_that_re_tokenization_would_change(chatml
     naive = chatml(r2.prompt_text, add_special_tokens=False)["input_ids"]
     assert naive[:len(head)] != head.tolist(), "the test must exercise a tokenization that drifts"
     assert chatml.decode(r2.prompt_ids) == chatml.decode(naive)
+
+
+def test_text_parts_render_and_reuse_like_strings(chatml: Any) -> None:
+    """Clients that send content as a list of text parts (smolagents, the openai SDK's typed
+    messages) get the prompt a string would, and the next turn reuses the recorded ids."""
+    cache = PromptCache(chatml)
+    parts = lambda text: [{"type": "text", "text": t} for t in (text[:5], text[5:])]  # noqa: E731
+    m1 = [{"role": "system", "content": parts("You are terse.")}, {"role": "user", "content": parts("Hello there")}]
+    r1 = cache.render_chat(SESSION, m1)
+    plain = PromptCache(chatml).render_chat(SESSION, [{**m, "content": "".join(p["text"] for p in m["content"])}
+                                                      for m in m1])
+    assert r1.prompt_text == plain.prompt_text
+    out = np.append(char_ids(chatml, "Hi."), chatml.convert_tokens_to_ids("<|im_end|>")).astype(np.int32)
+    cache.remember_chat(SESSION, m1, r1, out, "Hi.", "<|im_end|>")
+    r2 = cache.render_chat(SESSION, [*m1, {"role": "assistant", "content": parts("Hi.")},
+                                     {"role": "user", "content": "Bye"}])
+    assert r2.reused_tokens == len(r1.prompt_ids) + len(out)
+    with pytest.raises(InvalidArgument, match="only text parts"):
+        cache.render_chat(SESSION, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
 def test_other_sessions_and_edited_replies_do_not_reuse(chatml: Any) -> None:
