@@ -111,7 +111,7 @@ class SandboxSpec:
             return worker
         bwrap = shutil.which("bwrap")
         if bwrap is None:
-            raise RuntimeError("scorer sandbox 'bwrap' needs bubblewrap: install the Debian package "
+            raise ValueError("scorer sandbox 'bwrap' needs bubblewrap: install the Debian package "
                                "(apt-get install bubblewrap; `make install` does it as root), or set the reward "
                                "service's scorer_sandbox = 'none' to run scorers unconfined")
         if os.geteuid() == 0:
