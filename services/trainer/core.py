@@ -183,8 +183,12 @@ class CoreTrainer:
                 membership.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the running step (never half-apply an update), then stop."""
+        """Finish the running step (never half-apply an update), then stop. Replicas still in the
+        step are not waited for (a stopped job's batches stop coming; they would wait out
+        ``member_timeout_s``): the core evicts them and trains their share itself."""
         self._stop.set()
+        if self.membership is not None:
+            self.membership.close()
         if self._thread is not None:
             self._thread.join(timeout_s)
         st = self._state

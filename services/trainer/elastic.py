@@ -143,6 +143,12 @@ class StepMembership:
                 pending = [m for m in state.members.values() if not (m.done or m.left or m.evicted)]
                 if not pending:
                     break
+                if self._closed:  # the job is stopping: nothing more will come for them to train
+                    for m in pending:
+                        m.evicted = True
+                        log.warning("replica evicted", replica_id=m.replica_id, cell_id=m.cell_id, step=step,
+                                    reason="the trainer job is stopping")
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for m in pending:
