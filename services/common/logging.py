@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -51,6 +52,18 @@ def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") 
     root.handlers = [handler]
     root.setLevel(numeric)
     logging.captureWarnings(True)
+    # an exception nothing caught (a process's main, a thread) is one JSON line too, not a bare traceback
+    sys.excepthook = _log_uncaught
+    threading.excepthook = lambda a: _log_uncaught(a.exc_type, a.exc_value, a.exc_traceback,  # type: ignore[arg-type]
+                                                   thread=getattr(a.thread, "name", ""))
+
+
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any, thread: str = "") -> None:
+    if issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    structlog.get_logger("uncaught", logger_name="uncaught").critical(
+        "uncaught exception", thread=thread or None, exc_info=(exc_type, exc, tb))
 
 
 def _record_name(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
