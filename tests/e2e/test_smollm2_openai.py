@@ -358,6 +358,24 @@ def test_anthropic_sdk_messages_with_tools_and_streaming_is_one_path(stack: Stac
         client.messages.create(model="claude-opus", max_tokens=4, messages=messages[:1])
 
 
+def _leased_session(sched: Any, job_id: str, worker_id: str) -> Any:
+    """A one-execution job on ``sched``, admitted, and its lease (which carries a session base URL)."""
+    from services.scheduler.jobs import Mode, TaskSource
+    from services.scheduler.orchestrator import Orchestrator
+    from tests.service.scheduler_support import job_spec
+
+    class NoActuator:
+        def switch(self, *args: object, **kw: object) -> None:
+            raise AssertionError("no cells are registered")
+
+    sched.client.submit_job(job_spec(job_id, num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
+                                     tasks=TaskSource(payloads=(b"weather",))))
+    assert Orchestrator(sched.state, NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    lease = sched.client.lease(worker_id, job_id=job_id)
+    assert lease is not None and lease.session_base_url
+    return lease
+
+
 def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack) -> None:
     """Third-party agent code, unmodified: an openai-agents Agent with a function tool, through its
     chat-completions model, configured with nothing but a lease's session base URL."""
@@ -365,9 +383,7 @@ def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack
 
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 
-    from services.scheduler.jobs import Mode, TaskSource
-    from services.scheduler.orchestrator import Orchestrator
-    from tests.service.scheduler_support import in_process_scheduler, job_spec
+    from tests.service.scheduler_support import in_process_scheduler
 
     set_tracing_disabled(True)
     asked: list[str] = []
@@ -378,16 +394,8 @@ def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack
         asked.append(city)
         return "sunny, 21 C"
 
-    class NoActuator:
-        def switch(self, *args: object, **kw: object) -> None:
-            raise AssertionError("no cells are registered")
-
     with in_process_scheduler(stack.redis_url) as sched:
-        sched.client.submit_job(job_spec("agents-job", num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
-                                         tasks=TaskSource(payloads=(b"weather",))))
-        assert Orchestrator(sched.state, NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
-        lease = sched.client.lease("agents-harness", job_id="agents-job")
-        assert lease is not None and lease.session_base_url
+        lease = _leased_session(sched, "agents-job", "agents-harness")
         model = OpenAIChatCompletionsModel(model=SERVED, openai_client=openai.AsyncOpenAI(
             base_url=lease.session_base_url, api_key="unused", max_retries=0))
         agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model,
@@ -409,9 +417,7 @@ def test_a_smolagents_tool_calling_agent_runs_against_a_session_base_url(stack: 
     base URL; every model call it makes is recorded under the lease's execution."""
     from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
-    from services.scheduler.jobs import Mode, TaskSource
-    from services.scheduler.orchestrator import Orchestrator
-    from tests.service.scheduler_support import in_process_scheduler, job_spec
+    from tests.service.scheduler_support import in_process_scheduler
 
     asked: list[str] = []
 
@@ -425,16 +431,8 @@ def test_a_smolagents_tool_calling_agent_runs_against_a_session_base_url(stack: 
         asked.append(city)
         return "sunny, 21 C"
 
-    class NoActuator:
-        def switch(self, *args: object, **kw: object) -> None:
-            raise AssertionError("no cells are registered")
-
     with in_process_scheduler(stack.redis_url) as sched:
-        sched.client.submit_job(job_spec("smol-job", num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
-                                         tasks=TaskSource(payloads=(b"weather",))))
-        assert Orchestrator(sched.state, NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
-        lease = sched.client.lease("smol-harness", job_id="smol-job")
-        assert lease is not None and lease.session_base_url
+        lease = _leased_session(sched, "smol-job", "smol-harness")
         model = OpenAIServerModel(model_id=SERVED, api_base=lease.session_base_url, api_key="unused",
                                   client_kwargs={"max_retries": 0}, max_tokens=24, temperature=0)
         agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=1, verbosity_level=0)
