@@ -8,7 +8,7 @@
     gyre jobs                                 every job, its state and progress
     gyre cancel JOB [--reason TEXT]
     gyre cells [--json]                       every cell: role, liveness, load, cordon
-    gyre credentials DIR                      a deployment's per-role tokens and KV key (files, 0640)
+    gyre credentials DIR [--host H ...]       a deployment's per-role tokens, KV key, CA + node TLS certificate
     gyre cordon CELL [--reason TEXT]          take a cell out of rollout (its requests migrate; it trains)
     gyre uncordon CELL                        give it back to the policy
     gyre report JOB [--out DIR]               report.html, figures, metrics.jsonl of a job
@@ -137,41 +137,63 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICE_SECTIONS = ("SCHEDULER", "GATEWAY", "ENGINE", "TRAINER", "TRAJECTORY", "REWARD", "CELL_AGENT")
+
+
 def cmd_credentials(args: argparse.Namespace) -> int:
     """Make a deployment's secrets in DIR (never printed): per-role tokens, one file per role for
-    its holders, and the KV migration key; then say which settings point to them."""
+    its holders, the KV migration key and (unless --no-tls) a CA and the node certificate every
+    service serves TLS with; then say which settings point to them."""
     import secrets
     from pathlib import Path
 
+    from services.common import pki
+
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True, mode=0o750)
-    files = {"tokens": "", "harness.token": "", "operator.token": "", "internal.token": "", "kv.key": ""}
-    existing = [f for f in files if (out / f).exists()]
-    if args.keep and len(existing) == len(files):
+    names = ["tokens", "harness.token", "operator.token", "internal.token", "kv.key"]
+    if not args.no_tls:
+        names += ["ca.pem", "ca.key", "node.pem", "node.key"]
+    existing = [f for f in names if (out / f).exists()]
+    if args.keep and len(existing) == len(names):
         print(f"{out} already holds this deployment's credentials; kept")
         return 0
     if existing and not args.force:
         print(f"gyre: {out} already holds {', '.join(existing)}; --force makes new ones (every holder must get them)",
               file=sys.stderr)
         return 2
+    try:
+        files: dict[str, bytes] = {} if args.no_tls else pki.make_tls(args.host)
+    except ValueError as exc:
+        print(f"gyre: {exc}", file=sys.stderr)
+        return 2
     roles = {r: secrets.token_urlsafe(32) for r in ("internal", "harness", "operator")}
-    files["tokens"] = "# ROLE TOKEN: what every Gyre service accepts (auth_tokens_file)\n" + \
-        "".join(f"{r} {t}\n" for r, t in roles.items())
+    files["tokens"] = ("# ROLE TOKEN: what every Gyre service accepts (auth_tokens_file)\n" +
+                       "".join(f"{r} {t}\n" for r, t in roles.items())).encode()
     for r, t in roles.items():
-        files[f"{r}.token"] = t + "\n"
-    files["kv.key"] = secrets.token_hex(32) + "\n"
-    for name, text in files.items():
+        files[f"{r}.token"] = (t + "\n").encode()
+    files["kv.key"] = (secrets.token_hex(32) + "\n").encode()
+    for name in names:
         path = out / name
         path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-    print(f"wrote {', '.join(files)} to {out} (mode 0640; chgrp them to the services' group). In gyre.env:")
-    for svc in ("SCHEDULER", "GATEWAY", "ENGINE", "TRAINER", "TRAJECTORY", "REWARD", "CELL_AGENT"):
+        # the CA key signs certificates: its owner only (move it offline once the hosts have theirs)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if name == "ca.key" else 0o640)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(files[name])
+    print(f"wrote {', '.join(names)} to {out} (mode 0640, ca.key 0600; chgrp them to the services' group). "
+          "In gyre.env:")
+    for svc in SERVICE_SECTIONS:
         print(f"  GYRE_{svc}_AUTH_TOKENS_FILE={out / 'tokens'}")
     print(f"  GYRE_ENGINE_KV_AUTH_KEY_FILE={out / 'kv.key'}")
-    print(f"harnesses: GYRE_HARNESS_AUTH_TOKEN_FILE={out / 'harness.token'} (and as the OpenAI api key); "
-          f"operators: GYRE_TOKEN_FILE={out / 'operator.token'} for `gyre`")
+    if not args.no_tls:
+        for svc in SERVICE_SECTIONS:
+            print(f"  GYRE_{svc}_TLS_CERT_FILE={out / 'node.pem'}  GYRE_{svc}_TLS_KEY_FILE={out / 'node.key'}  "
+                  f"GYRE_{svc}_TLS_CA_FILE={out / 'ca.pem'}")
+        print(f"the node certificate names: {', '.join(pki.subject_alt_names(args.host))}")
+    harness_ca = "" if args.no_tls else f", GYRE_HARNESS_TLS_CA_FILE={out / 'ca.pem'}"
+    operator_ca = "" if args.no_tls else f" and GYRE_TLS_CA_FILE={out / 'ca.pem'}"
+    print(f"harnesses: GYRE_HARNESS_AUTH_TOKEN_FILE={out / 'harness.token'} (and as the OpenAI api key)"
+          f"{harness_ca}; operators: GYRE_TOKEN_FILE={out / 'operator.token'}{operator_ca} for `gyre`")
     return 0
 
 
@@ -253,26 +275,11 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client_security() -> None:
-    """This command's credential (an operator's, a harness's): ``GYRE_TOKEN_FILE`` (or
-    ``GYRE_TOKEN``) and ``GYRE_TLS_CA_FILE`` (plus ``GYRE_TLS_CERT_FILE``/``GYRE_TLS_KEY_FILE``
-    for mTLS), from the environment: never on the command line."""
-    from pathlib import Path
-
-    from services.common import security
-
-    token = os.environ.get("GYRE_TOKEN", "")
-    if os.environ.get("GYRE_TOKEN_FILE"):
-        token = Path(os.environ["GYRE_TOKEN_FILE"]).read_text().strip()
-    if token or os.environ.get("GYRE_TLS_CA_FILE"):
-        security.configure(security.Security(
-            auth_token=token, tls_ca_file=os.environ.get("GYRE_TLS_CA_FILE", ""),
-            tls_cert_file=os.environ.get("GYRE_TLS_CERT_FILE", ""), tls_key_file=os.environ.get("GYRE_TLS_KEY_FILE", "")))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _client_security()
+    from services.common import security
+
+    security.configure_client_from_env()
     # Subcommands that own their whole argument list.
     if argv[:2] == ["trajectory", "stats"]:
         from services.trajectory.cli import stats_main
@@ -322,10 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     ca.add_argument("job")
     ca.add_argument("--reason", default="cancelled from the command line")
     ca.set_defaults(fn=cmd_cancel)
-    cr = sub.add_parser("credentials", help="make a deployment's per-role tokens and KV key in DIR")
+    cr = sub.add_parser("credentials", help="make a deployment's per-role tokens, KV key and TLS certificates in DIR")
     cr.add_argument("dir")
     cr.add_argument("--force", action="store_true", help="replace existing ones")
     cr.add_argument("--keep", action="store_true", help="succeed without writing when DIR holds them all")
+    cr.add_argument("--host", action="append", default=[],
+                    help="a host name or IP clients dial (repeatable): named in the node certificate, "
+                         "besides localhost, 127.0.0.1 and the compose service names")
+    cr.add_argument("--no-tls", action="store_true", help="tokens and KV key only (TLS terminated elsewhere)")
     cr.set_defaults(fn=cmd_credentials)
     ce = sub.add_parser("cells", parents=[client], help="list cells (role, liveness, load, cordon)")
     ce.add_argument("--json", action="store_true")

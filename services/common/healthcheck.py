@@ -2,7 +2,8 @@
 
     python -m services.common.healthcheck 127.0.0.1:50051 [SERVICE] [--timeout-s 3]
 
-Exit 0 when SERVING, 1 otherwise (with one line saying why).
+Exit 0 when SERVING, 1 otherwise (with one line saying why). TLS when ``GYRE_TLS_CA_FILE`` names the
+CA the service's certificate is checked against (health itself needs no token).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.security import open_channel
+from services.common.security import configure_client_from_env, open_channel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("service", nargs="?", default="")
     parser.add_argument("--timeout-s", type=float, default=3.0)
     args = parser.parse_args(argv)
+    configure_client_from_env()
     with open_channel(args.address) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(

@@ -7,6 +7,7 @@ bind ids (``job_id``, ``execution_id``, ``cell_id``) to the logger they got.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import MutableMapping
@@ -56,6 +57,18 @@ def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") 
     sys.excepthook = _log_uncaught
     threading.excepthook = lambda a: _log_uncaught(a.exc_type, a.exc_value, a.exc_traceback,  # type: ignore[arg-type]
                                                    thread=getattr(a.thread, "name", ""))
+    if json:
+        _no_progress_bars()
+
+
+def _no_progress_bars() -> None:
+    """A JSON log is no progress display: no tqdm bars (transformers' "Loading weights", hub
+    downloads) in it, whoever started the process (a systemd unit, a cell agent's train command)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when those libraries are imported
+    if "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
+    if "huggingface_hub.utils" in sys.modules:
+        sys.modules["huggingface_hub.utils"].disable_progress_bars()
 
 
 def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any, thread: str = "") -> None:

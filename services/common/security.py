@@ -22,6 +22,7 @@ Set once per process in ``main()`` (``configure``), like logging; ``build_server
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,19 @@ def configure(security: Security) -> None:
     """Set this process's security (called once from main)."""
     global _PROCESS
     _PROCESS = security
+
+
+def configure_client_from_env() -> None:
+    """A command-line client's credential (an operator's, a harness's, a health probe's), from the
+    environment, never from argv: ``GYRE_TOKEN_FILE`` (or ``GYRE_TOKEN``), ``GYRE_TLS_CA_FILE`` (plus
+    ``GYRE_TLS_CERT_FILE``/``GYRE_TLS_KEY_FILE`` for mTLS). Nothing set: plaintext, no token."""
+    token = os.environ.get("GYRE_TOKEN", "")
+    if os.environ.get("GYRE_TOKEN_FILE"):
+        token = Path(os.environ["GYRE_TOKEN_FILE"]).read_text().strip()
+    if token or os.environ.get("GYRE_TLS_CA_FILE"):
+        configure(Security(auth_token=token, tls_ca_file=os.environ.get("GYRE_TLS_CA_FILE", ""),
+                           tls_cert_file=os.environ.get("GYRE_TLS_CERT_FILE", ""),
+                           tls_key_file=os.environ.get("GYRE_TLS_KEY_FILE", "")))
 
 
 def current() -> Security:

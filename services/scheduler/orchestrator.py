@@ -231,6 +231,11 @@ class Orchestrator:
         job = self._enqueue_startable(job)
         if job.state is not JobState.RUNNING:
             return []
+        if self.controller is not None and not self.controller.ready(job):
+            # no role switch before the job's trainer is started: a cell moved to TRAIN now (a
+            # cordon, say) would find no job to join and be rolled back, its drain wasted; a
+            # cordoned cell takes no new rollout work meanwhile (the gateway follows cordons)
+            return []
         t0 = time.perf_counter()
         cells = self.job_cells(job)
         view = self.build_view(job, cells)

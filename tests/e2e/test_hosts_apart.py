@@ -13,7 +13,13 @@ from a gyre.env and per-cell engine env files as in the examples, ``%i`` the cel
 test's tmp dir. Each namespace has its own spool directory. The rollout cells' agents have a
 ``train_command``, so a cell that switches to TRAIN runs its trainer replica on its own "host"
 and that replica joins the core in namespace A over gloo; drains migrate in-flight requests (with
-their KV cache, over UCX) between the engines in B and C.
+their KV cache, over UCX) between the engines in B and C. An operator cordons a busy rollout cell
+mid-job (`gyre cordon`), so that a drain that migrates and a replica on a rollout host happen
+whatever the policy decides.
+
+Credentials and TLS are on, as deployed: `gyre credentials --host` for the three addresses, and
+every credentials line of gyre.env.example; every gRPC port refuses plaintext, the gateway's HTTP
+endpoint is https with the harness token, and `gyre` runs with the operator's token and the CA.
 
 Checked: the elastic job submitted with `gyre submit --scheduler` completes with final weight
 version = steps and every execution ended once; at least one migration went from one namespace's
@@ -47,6 +53,8 @@ REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "deploy" / "systemd"
 PY = sys.executable
 STEPS = 2
+# set by services/__init__.py and services/common/logging.py in whatever imports them (this test too)
+SET_IN_PROCESS = ("GRPC_VERBOSITY", "TORCH_CPP_LOG_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS")
 REDIS_PASSWORD = os.urandom(12).hex()  # Redis on a non-loopback address: with a password, as deployed
 
 
@@ -142,13 +150,18 @@ class Hosts:
 
     def start(self, name: str, host: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.root / "logs" / f"{name}.log", "wb")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **env}
+        # what a unit gets: not the knobs this test process (or pytest) set for itself
+        inherited = {k: v for k, v in os.environ.items() if k not in SET_IN_PROCESS}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **env}
         self.procs[name] = subprocess.Popen(["ip", "netns", "exec", self.net.namespaces[host], *argv], cwd=REPO,
                                             env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
     def log(self, name: str) -> str:
         return (self.root / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def names(self) -> list[str]:
+        return list(self.procs)
 
     def check_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -216,6 +229,17 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
         "GYRE_SCHEDULER_CHECKPOINT_DIR": str(root / "a" / "checkpoints"),
         "GYRE_CELL_AGENT_HEARTBEAT_INTERVAL_S": "1", "GYRE_TEST_CONFIG": str(config),
     }
+    # credentials and TLS as deployed: `gyre credentials` with every host's address in the node
+    # certificate, and every credentials line of gyre.env.example (its directory moved here)
+    creds = root / "credentials"
+    made = subprocess.run([PY, "-m", "services.cli", "credentials", str(creds), *(f"--host={h}" for h in (a, b, c))],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    for line in (UNITS / "gyre.env.example").read_text().splitlines():
+        if "=/etc/gyre/credentials/" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            env[key] = value.replace("/etc/gyre/credentials", str(creds))
+    assert env.get("GYRE_GATEWAY_TLS_CERT_FILE") and env.get("GYRE_SCHEDULER_AUTH_TOKENS_FILE"), sorted(env)
     per_host = {h: {**env, "GYRE_SPOOL_DIR": str(root / h / "spool")} for h in "abc"}
     for h in "abc":
         (root / h / "spool").mkdir(parents=True)
@@ -229,6 +253,10 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
                                              "--cell-id {cell_id} --replica-id {cell_id}-{switch_id} "
                                              "--replica-threads 1"}
         for h in "bc"}
+    from services.common import security
+
+    security.configure(security.Security(tls_ca_file=str(creds / "ca.pem"),
+                                         auth_token=(creds / "internal.token").read_text().strip()))
     try:
         redis_dir = root / "a" / "redis"
         redis_dir.mkdir(parents=True)
@@ -270,8 +298,11 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
             except OSError:
                 pass
         assert not leaked, leaked
-        yield hosts, {"scheduler": f"{a}:50050", "gateway": f"{c}:50060", "trainer": f"{a}:50053"}
+        yield hosts, {"scheduler": f"{a}:50050", "gateway": f"{c}:50060", "trainer": f"{a}:50053",
+                      "trajectory": f"{a}:50051", "reward": f"{a}:50052", "http": f"{c}:8000",
+                      "credentials": str(creds)}
     finally:
+        security.configure(security.Security())
         hosts.stop()
         _teardown_net(net)
 
@@ -281,6 +312,61 @@ def _cells(scheduler: str) -> list:
 
     with SchedulerClient(scheduler) as s:
         return [info.cell for info in s.list_cells()]
+
+
+def _cordon_a_busy_cell(scheduler: str, job_id: str, cli: list[str], operator: dict[str, str]) -> str:
+    """Once the job's executions run and both rollout cells have requests in flight, the operator
+    cordons the busier with `gyre cordon`: its requests migrate to the other host's engine and it
+    trains (its replica, on its own host, joins the core) until the job ends, whatever the policy
+    would have done. "" while not yet."""
+    from services.scheduler.client import SchedulerClient
+
+    with SchedulerClient(scheduler) as s:
+        if s.get_job(job_id).running == 0:
+            return ""
+    rolling = sorted((c.inflight, c.cell_id) for c in _cells(scheduler) if c.role.value == "rollout" and not c.is_core)
+    if len(rolling) < 2 or rolling[0][0] == 0:
+        return ""
+    cell = rolling[-1][1]
+    done = subprocess.run([*cli, "cordon", "--scheduler", scheduler, cell, "--reason", "e2e: train on a rollout host"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, env=operator)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return cell
+
+
+def _every_port_is_tls_only(addr: dict[str, str], cells: dict) -> None:
+    """TLS by default: every gRPC port refuses a plaintext client (health included) and serves one
+    that trusts the deployment's CA; the gateway's HTTP endpoint is https and wants the harness token."""
+    import http.client
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.security import open_channel
+
+    ports = {*(addr[s] for s in ("scheduler", "gateway", "trainer", "trajectory", "reward")),
+             *(c.engine_address for c in cells.values() if c.engine_address)}
+    for port in sorted(ports):
+        with grpc.insecure_channel(port) as plain:
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        with open_channel(port) as secure:
+            assert health_pb2_grpc.HealthStub(secure).Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1
+    creds = Path(addr["credentials"])
+    ctx = ssl.create_default_context(cafile=str(creds / "ca.pem"))
+    url = f"https://{addr['http']}/v1/models"
+    harness = (creds / "harness.token").read_text().strip()
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": f"Bearer {harness}"}),
+                                context=ctx, timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["data"], url
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, context=ctx, timeout=10)
+    assert refused.value.code == 401
+    with pytest.raises((OSError, http.client.HTTPException)):  # plaintext HTTP to the TLS port: no answer
+        urllib.request.urlopen(f"http://{addr['http']}/v1/models", timeout=10)
 
 
 @pytest.mark.timeout(1200)
@@ -298,24 +384,32 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     assert not loopback, loopback
     assert cells["cell-1"].hosts_replica and cells["cell-2"].hosts_replica and not cells["cell-0"].hosts_replica
 
+    _every_port_is_tls_only(addr, cells)
+
     cli = [PY, "-m", "services.cli"]
+    creds = Path(addr["credentials"])
+    # the operator's credential and the deployment's CA, from the environment (never argv)
+    operator = {**os.environ, "GYRE_TOKEN_FILE": str(creds / "operator.token"), "GYRE_TLS_CA_FILE": str(creds / "ca.pem")}
     job_file = str(REPO / "deploy" / "config" / "job.toml")
     sub = subprocess.run([*cli, "submit", "--scheduler", addr["scheduler"], job_file, "--mode", "elastic",
                           "--num_steps", str(STEPS), "--groups_per_step", "4", "--group_size", "2",
                           "--evaluation.tasks", "0", "--execution_timeout_s", "300"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=operator)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = sub.stdout.strip().splitlines()[-1]
     long_calls = LongCalls()
     long_calls.start(addr["gateway"])
     watch = subprocess.Popen([*cli, "watch", "--scheduler", addr["scheduler"], job_id, "--json"], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=operator)
+    cordoned = ""
     try:
         deadline = time.monotonic() + 1000
         while watch.poll() is None:  # every process stays up (nothing here restarts one)
             procs.check_alive()
             assert time.monotonic() < deadline, "the job did not end"
-            time.sleep(0.5)
+            if not cordoned:
+                cordoned = _cordon_a_busy_cell(addr["scheduler"], job_id, cli, operator)
+            time.sleep(0.2)
     finally:
         long_calls.stop()
         if watch.poll() is None:
@@ -346,4 +440,9 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
                 rec = json.loads(line)
                 if int(rec.get("world", 0)) >= 2:
                     joined.append((cell, rec.get("step"), rec.get("world")))
-    assert joined, [e for e in events if e["kind"].startswith("switch")]
+    assert cordoned and any(cell == cordoned for cell, _, _ in joined), (cordoned, joined)
+
+    # every line every Gyre process wrote is JSON (no progress bars, no C++ core lines), as deployed
+    plain = {name: [ln for ln in procs.log(name).splitlines() if ln.strip() and not ln.startswith("{")][:3]
+             for name in procs.names() if name != "redis"}
+    assert not any(plain.values()), {k: v for k, v in plain.items() if v}

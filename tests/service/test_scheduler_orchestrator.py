@@ -146,3 +146,25 @@ def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None
     assert log["stale"].kind == "switch_rolled_back" and "no progress" in log["stale"].attrs["error"]
     assert log["gone"].kind == "switch_rolled_back" and "also failed" in log["gone"].attrs["error"]
     assert roles(s) == {"gone": Role.ROLLOUT, "stale": Role.ROLLOUT} and s.state.pending_switches() == []
+
+
+@pytest.mark.parametrize("agents", [("rollout", "3600")], indirect=True)
+def test_no_switch_before_the_jobs_trainer_is_started(sched: InProcess, agents: dict[str, Proc]) -> None:
+    """An operator's cordon while the job controller still prepares the job (trainer not started):
+    the cell is not moved to TRAIN yet (it would find no trainer job and be rolled back, its drain
+    wasted); it stays cordoned, taking no new work, until the controller marks the job prepared."""
+    from services.scheduler.controller import JobController
+
+    s = sched
+    controller = JobController(s.state, trainer=None, trajectory=None, reward=None, trajectory_address="",
+                               scheduler_address="", checkpoint_root="")
+    orch = Orchestrator(s.state, AgentActuator(), instance_id="t", metrics_event_interval_s=3600,
+                        controller=controller)
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=2, group_size=1, mode=Mode.ELASTIC))
+    s.client.cordon_cell("c2", reason="maintenance")
+    for _ in range(3):
+        assert orch.tick()
+        assert orch.wait_switches(30.0)
+    assert s.client.get_job("j1").state is JobState.RUNNING and not controller.ready(s.client.get_job("j1"))
+    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+    assert not [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c2"]

@@ -295,6 +295,11 @@ def test_compose_makes_credentials_once_and_every_service_uses_them(tmp_path: Pa
         section = name.split("-")[0].replace("cell", "cell_agent").upper()
         tokens = env.get(f"GYRE_{section}_AUTH_TOKENS_FILE")
         assert tokens == "/var/lib/gyre/credentials/tokens", (name, sorted(env))
+        # TLS by default: every service serves the node certificate and trusts the deployment's CA
+        assert env.get(f"GYRE_{section}_TLS_CERT_FILE") == "/var/lib/gyre/credentials/node.pem", name
+        assert env.get(f"GYRE_{section}_TLS_KEY_FILE") == "/var/lib/gyre/credentials/node.key", name
+        assert env.get(f"GYRE_{section}_TLS_CA_FILE") == "/var/lib/gyre/credentials/ca.pem", name
+        assert env.get("GYRE_TLS_CA_FILE") == "/var/lib/gyre/credentials/ca.pem", name  # its health probe
     # what that service runs: every role's token once, the KV key, mode 0640; --keep keeps them
     import subprocess
     import sys
@@ -313,3 +318,29 @@ def test_compose_makes_credentials_once_and_every_service_uses_them(tmp_path: Pa
     from services.common.security import read_tokens
 
     assert len(read_tokens(str(tmp_path / "c" / "tokens"))) == 3
+
+
+def test_credentials_make_a_ca_and_a_node_certificate_for_every_host_clients_dial(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "c"
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "credentials", str(out), "--host", "10.0.0.7",
+                           "--host", "gyre-ctl.internal"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "ca.key").stat().st_mode & 0o777 == 0o600  # signs certificates: its owner only
+    assert all((out / f).stat().st_mode & 0o777 == 0o640 for f in ("ca.pem", "node.pem", "node.key"))
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(out / "ca.pem"), str(out / "node.pem")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    text = subprocess.run(["openssl", "x509", "-in", str(out / "node.pem"), "-noout", "-ext", "subjectAltName"],
+                          capture_output=True, text=True, check=True).stdout
+    for name in ("DNS:localhost", "IP Address:127.0.0.1", "IP Address:10.0.0.7", "DNS:gyre-ctl.internal",
+                 *(f"DNS:{n}" for n in gyre_services())):  # every compose service a peer dials by name
+        assert name in text, (name, text)
+    assert "node.key" not in proc.stdout or "BEGIN" not in proc.stdout  # paths printed, never a key
+    # a host that is no name: one sentence, nothing written
+    bad = subprocess.run([sys.executable, "-m", "services.cli", "credentials", str(tmp_path / "d"), "--host", "a b"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "neither an IP address nor a DNS name" in bad.stderr
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
