@@ -10,6 +10,10 @@ Two transports behind one seam, chosen by the receiver's address:
   made from worker addresses reach shared memory on one host and RDMA where the fabric has it
   (ucxx's listener path would only use TCP); peer error handling is a setting
   (``GYRE_UCX_ENDPOINT_ERROR_HANDLING``, off: it costs the shared-memory path, see below).
+  A peer dying mid-transfer is seen on the TCP control connection instead (``watch``): the
+  kernel closes a dead process's socket, so either side abandons the transfer within
+  ``WATCH_INTERVAL_S`` (the receiver completes its orphaned receives, the sender aborts its
+  endpoint), counts it in ``gyre_rollout_kv_transfers_aborted_total`` and goes on serving.
 
 Wire protocol (one migration per TCP connection; JSON header, raw little-endian arrays)::
 
@@ -41,18 +45,20 @@ transport carried it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,6 +82,7 @@ SEEN_NONCES = 65536
 STALL_TIMEOUT_S = 120.0
 UCX_MIN_BUDGET_S = 5.0  # a UCX transfer gets this plus its bytes at UCX_FLOOR_BYTES_PER_S (then TCP)
 UCX_FLOOR_BYTES_PER_S = 20e6
+WATCH_INTERVAL_S = 0.2  # how often a UCX transfer's control connection is checked for its peer's death
 # UCX endpoints with peer error handling ("1"): a peer dying mid-transfer fails that transfer
 # at once. Off by default: on this host it excludes UCX's shared-memory transports, and 256 MiB
 # moved at 0.47-0.55 GiB/s instead of 2.1-2.9 GiB/s (below TCP's 1.1-1.4). Without it a dead
@@ -94,11 +101,21 @@ TRANSFER_BYTES = Counter(
     registry=REGISTRY,
 )
 
+ABORTED = Counter(
+    "gyre_rollout_kv_transfers_aborted_total",
+    "KV transfers abandoned midway, by side and reason (peer_gone: its connection closed).",
+    ["side", "reason"], registry=REGISTRY,
+)
+
 OnState = Callable[[MigrationState], None]
 
 
 class TransportError(ConnectionError):
     """The state could not be delivered (receiver unreachable, connection broke, bad reply)."""
+
+
+class PeerGone(TransportError):
+    """The other process closed the migration's connection mid-transfer (it died or gave up)."""
 
 
 class StateRejected(ValueError):
@@ -276,6 +293,7 @@ class _Ucx:
         self._thread = threading.Thread(target=self.loop.run_forever, name="ucxx-loop", daemon=True)
         self._thread.start()
         self._endpoints: dict[bytes, Any] = {}
+        self.receiving = 0  # transfers with receives posted (changed on the loop thread only)
         self.worker_address: bytes = self.call(self._init(), timeout_s=30)
 
     @classmethod
@@ -305,8 +323,94 @@ class _Ucx:
         await asyncio.gather(*(ep.send(a, tag=tag + i, force_tag=True)
                                for i, a in enumerate(arrays) if a.nbytes))
 
-    async def recv(self, arrays: list[np.ndarray], tag: int) -> None:
-        await asyncio.gather(*(self.ucxx.recv(a, tag=tag + i) for i, a in enumerate(arrays) if a.nbytes))
+    def drop_endpoint(self, address: bytes) -> None:
+        """Abort the endpoint to a peer that died: its pending sends fail (their buffers are
+        released) and the next transfer to that address makes a new one."""
+        async def drop() -> None:
+            ep = self._endpoints.pop(address, None)
+            if ep is not None and not ep.closed:
+                ep.abort(period=10**9)
+
+        try:
+            self.call(drop(), timeout_s=10)
+        except Exception as exc:  # deliberate: a leaked endpoint is no reason to fail the caller
+            log.warning("ucx endpoint abort failed", error=f"{type(exc).__name__}: {exc}")
+
+    def start_recv(self, arrays: list[np.ndarray], tag: int) -> _Posted:
+        """Post the tagged receives of ``arrays`` (tags ``tag + i``); wait with ``watch``."""
+        posted = _Posted(arrays, tag)
+
+        async def one(i: int, a: np.ndarray) -> None:
+            await self.ucxx.recv(a, tag=tag + i)
+            posted.done[i] = True
+
+        async def every() -> None:
+            self.receiving += 1
+            try:
+                await asyncio.gather(*(one(i, a) for i, a in enumerate(arrays) if a.nbytes))
+            finally:
+                self.receiving -= 1
+
+        posted.future = asyncio.run_coroutine_threadsafe(every(), self.loop)
+        return posted
+
+    def abandon(self, posted: _Posted) -> None:
+        """Complete a dead transfer's receives that no message matched yet, with a one-byte
+        message from this worker to itself on each one's tag, so that their buffers (up to a
+        whole state) are freed now instead of staying posted for good: ucxx cannot cancel one
+        tagged receive, and without peer error handling nothing fails it."""
+        missing = [posted.tag + i for i, a in enumerate(posted.arrays) if a.nbytes and not posted.done[i]]
+        if not missing:
+            return
+
+        async def tombstones() -> None:
+            ep = await self._endpoint(self.worker_address)
+            await asyncio.gather(*(ep.send(np.zeros(1, np.uint8), tag=t, force_tag=True) for t in missing))
+
+        try:
+            self.call(tombstones(), timeout_s=30)
+        except Exception as exc:  # deliberate: the receives stay posted; the process goes on
+            log.warning("kv receives of a dead transfer stay posted", tags=len(missing),
+                        error=f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class _Posted:
+    """A transfer's posted UCX receives: which arrays arrived, and the future of all of them."""
+
+    arrays: list[np.ndarray]
+    tag: int
+    done: list[bool] = field(default_factory=list)
+    future: Any = None
+
+    def __post_init__(self) -> None:
+        self.done = [a.nbytes == 0 for a in self.arrays]
+
+
+def watch(future: Any, sock: socket.socket, timeout_s: float) -> None:
+    """Wait for a UCX transfer's ``future`` while watching its TCP control connection: the peer
+    sends nothing on it during the transfer, so end-of-file (or a reset) there means the peer
+    process is gone (the kernel closed its socket) and the transfer is abandoned at once, with
+    ``PeerGone``, instead of hanging until ``timeout_s`` (UCX peer error handling is off, see
+    ENDPOINT_ERROR_HANDLING). Bytes arriving instead (the receiver's early ack) stop the watch."""
+    deadline = time.monotonic() + timeout_s
+    watching = True
+    while True:
+        try:
+            future.result(timeout=WATCH_INTERVAL_S)
+            return
+        except concurrent.futures.TimeoutError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"UCX transfer did not finish within {timeout_s:.0f}s")
+        if watching and select.select([sock], [], [], 0)[0]:
+            try:
+                alive = bool(sock.recv(1, socket.MSG_PEEK))
+            except OSError:
+                alive = False
+            if not alive:
+                raise PeerGone("the peer closed the connection mid-transfer (its process died?)")
+            watching = False
 
 
 # --------------------------------------------------------------------------- receiver
@@ -379,20 +483,22 @@ class Receiver:
                     pass
                 return
             mode = "ucx" if header.get("mode") == "ucx" and self._ucx is not None else "tcp"
+            posted = None
             try:
-                recv_future = None
                 if mode == "ucx":
                     assert self._ucx is not None
-                    recv_future = asyncio.run_coroutine_threadsafe(
-                        self._ucx.recv(arrays, int(header["tag"])), self._ucx.loop)
+                    posted = self._ucx.start_recv(arrays, int(header["tag"]))
                 _send_msg(conn, {"mode": mode})
-                if recv_future is not None:
-                    recv_future.result(timeout=STALL_TIMEOUT_S)
+                if posted is not None:
+                    watch(posted.future, conn, STALL_TIMEOUT_S)
                 else:
                     for a in arrays:
                         _recv_into(conn, _byte_view(a))
             except Exception as exc:  # transfer broke: the sender sees the closed socket and retries
+                ABORTED.labels("receiver", "peer_gone" if isinstance(exc, PeerGone) else "failed").inc()
                 log.warning("kv transfer failed", mode=mode, error=f"{type(exc).__name__}: {exc}")
+                if posted is not None and self._ucx is not None:
+                    self._ucx.abandon(posted)
                 return
             nbytes = sum(a.nbytes for a in arrays)
             try:
@@ -515,7 +621,13 @@ def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray],
             mode = answer.get("mode")
             if mode == "ucx":
                 assert ucx is not None
-                ucx.call(ucx.send(worker, arrays, tag), ucx_budget_s(arrays, timeout_s))
+                sending = asyncio.run_coroutine_threadsafe(ucx.send(worker, arrays, tag), ucx.loop)
+                try:
+                    watch(sending, sock, ucx_budget_s(arrays, timeout_s))
+                except PeerGone:
+                    ABORTED.labels("sender", "peer_gone").inc()
+                    ucx.drop_endpoint(worker)
+                    raise
             else:
                 for a in arrays:
                     sock.sendall(_byte_view(a))

@@ -442,6 +442,15 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
                     joined.append((cell, rec.get("step"), rec.get("world")))
     assert cordoned and any(cell == cordoned for cell, _, _ in joined), (cordoned, joined)
 
+    # no secret of the deployment (role tokens, KV key, CA and node keys, Redis password) in any log
+    creds = Path(addr["credentials"])
+    secrets = [REDIS_PASSWORD, (creds / "kv.key").read_text().strip(),
+               *(t for _, t in (ln.split() for ln in (creds / "tokens").read_text().splitlines()
+                                if ln and not ln.startswith("#"))),
+               *((creds / k).read_text().splitlines()[1] for k in ("ca.key", "node.key"))]
+    assert len(secrets) == 7 and all(len(x) >= 16 for x in secrets)
+    leaked = [name for name in procs.names() if any(x in procs.log(name) for x in secrets)]
+    assert not leaked, leaked
     # every line every Gyre process wrote is JSON (no progress bars, no C++ core lines), as deployed
     plain = {name: [ln for ln in procs.log(name).splitlines() if ln.strip() and not ln.startswith("{")][:3]
              for name in procs.names() if name != "redis"}

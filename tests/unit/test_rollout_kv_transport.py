@@ -5,6 +5,9 @@ from __future__ import annotations
 import queue
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +124,82 @@ def test_refused_state_raises_and_dead_receiver_is_transport_error() -> None:
         kv_transport.close_receiver(address)
     with pytest.raises(kv_transport.TransportError):
         kv_transport.send_state("tcp", address, _state(layers=1, tokens=600))
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_sender_dying_mid_transfer_leaves_the_receiver_serving() -> None:
+    """A crashed engine mid-migration (UCX peer error handling off): the receiver sees its control
+    connection close, abandons the transfer, frees the receives it had posted for the arrays that
+    never came, and takes the next migration (from another process) bit-exact."""
+    pytest.importorskip("ucxx")
+    got: queue.Queue[MigrationState] = queue.Queue()
+    mine = kv_transport.make_receiver("ucx", got.put)
+    ucx = kv_transport._Ucx.get()
+    aborted = kv_transport.ABORTED.labels("receiver", "peer_gone")
+    before = aborted._value.get()
+    dying = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", "die-mid-transfer", mine, "64"],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert dying.stdout is not None and dying.stdout.readline().strip() == "partial"
+        assert ucx.receiving == 1  # its first array arrived; the receiver waits for the rest
+        dying.kill()
+        dying.wait()
+        _wait(lambda: aborted._value.get() > before, "the receiver did not notice its sender died")
+        _wait(lambda: ucx.receiving == 0, "the dead transfer's posted receives were not completed")
+        assert got.empty()  # nothing half-received was delivered
+        # the same receiver goes on: a migration from another process arrives whole
+        peer = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", "ucx", mine], cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert peer.stdout is not None
+            state = _state()
+            kv_transport.send_state("ucx", peer.stdout.readline().strip(), state)
+            _assert_same(state, got.get(timeout=120))
+            assert peer.wait(timeout=60) == 0
+        finally:
+            peer.kill()
+    finally:
+        dying.kill()
+        kv_transport.close_receiver(mine)
+
+
+def test_a_receiver_dying_mid_transfer_fails_the_send_at_once() -> None:
+    """The other way round: the receiving engine dies after taking the header; the sender sees its
+    connection close, aborts the UCX endpoint (its pending sends are released) and raises
+    TransportError (the resend over TCP finds no one) instead of waiting out its UCX budget."""
+    pytest.importorskip("ucxx")
+    dying = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", "die-while-receiving"],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    aborted = kv_transport.ABORTED.labels("sender", "peer_gone")
+    before = aborted._value.get()
+    try:
+        assert dying.stdout is not None
+        address = dying.stdout.readline().strip()
+        state = _state(layers=2, tokens=4000)  # 4 MB of KV: UCX rendezvous, waits for a receive
+        outcome: queue.Queue[BaseException | None] = queue.Queue()
+
+        def send() -> None:
+            try:
+                kv_transport.send_state("ucx", address, state)
+                outcome.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.put(exc)
+
+        threading.Thread(target=send, daemon=True).start()
+        assert dying.stdout.readline().strip() == "posted"
+        dying.kill()
+        dying.wait()
+        exc = outcome.get(timeout=120)
+        assert isinstance(exc, kv_transport.TransportError), exc
+        assert aborted._value.get() > before  # seen as its peer's death, not as its budget running out
+    finally:
+        dying.kill()
 
 
 def test_bad_addresses_and_kinds() -> None:
