@@ -150,8 +150,10 @@ class EngineHost:
 
     def __init__(self, engine: InferenceEngine, *, cell_id: str, address: str = "",
                  kv_kinds: tuple[str, ...] = ("ucx", "tcp"), kv_host: str = "127.0.0.1", model: str = "",
-                 loader: Callable[[str], InferenceEngine] | None = None, kv_key: bytes = b"") -> None:
+                 loader: Callable[[str], InferenceEngine] | None = None, kv_key: bytes = b"",
+                 kv_pool_bytes: int = 512 << 20) -> None:
         self.engine = engine
+        self.kv_pool_bytes = kv_pool_bytes  # idle receive memory its KV receivers keep
         self.kv_key = kv_key  # the deployment's KV migration key (b"": unsigned, local runs)
         self.model = model  # the spec the engine was loaded from ("" when built in code)
         self._loader = loader
@@ -298,7 +300,8 @@ class EngineHost:
                     return self._scheme(self._receivers[k]), self._receivers[k]
                 try:
                     self._receivers[k] = kv_transport.make_receiver(k, self._on_state, host=self.kv_host,
-                                                                    key=self.kv_key, max_bytes=self._max_state_bytes())
+                                                                    key=self.kv_key, max_bytes=self._max_state_bytes(),
+                                                                    pool_bytes=self.kv_pool_bytes)
                     return self._scheme(self._receivers[k]), self._receivers[k]
                 except Exception as exc:  # deliberate: fall back to the next transport
                     MIGRATION_FALLBACKS.labels(k).inc()

@@ -69,7 +69,7 @@ def build_engine(cfg: EngineConfig) -> Built:
     advertised = advertised_host(cfg.host, cfg.advertise_host, towards=cfg.gateway_address or cfg.redis_url)
     host = EngineHost(_load_engine(cfg), cell_id=cfg.cell_id, kv_kinds=cfg.kv_transports, kv_host=advertised,
                       model=cfg.model, loader=lambda model: _load_engine(dataclasses.replace(cfg, model=model)),
-                      kv_key=cfg.kv_key)
+                      kv_key=cfg.kv_key, kv_pool_bytes=cfg.kv_receive_pool_mb << 20)
     servicer = EngineServicer(host, connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),
                               attach_wait_s=cfg.attach_wait_s)
     server = build_server("engine", [(rollout_pb2_grpc.add_EngineServicer_to_server, servicer)],
