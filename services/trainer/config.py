@@ -36,6 +36,10 @@ class TrainerConfig(ServerConfig):
     replica_max_steps: int = setting(0, "Replica mode: leave after this many steps (0 = until released).")
     replica_threads: int = setting(0, "Replica mode: torch intra-op threads (0 = torch's default).")
     replica_log_dir: str = setting(".gyre/logs", "Core: directory for logs of replicas it spawns (AddReplica).")
+    warm_replicas: int = setting(1, "Core: replica processes kept started (imports done, a model run once) for the "
+                                    "next AddReplica, which then skips ~5 s of start-up; 0 = start each when asked.")
+    replica_warm: bool = setting(False, "Replica mode: start up, then wait for the cell and replica id as one JSON "
+                                        "line on stdin (how the core's warm replicas are started).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +52,7 @@ class TrainerConfig(ServerConfig):
         check(1 <= self.publish_chunk_mb <= 256, "publish_chunk_mb", self.publish_chunk_mb, "between 1 and 256 MiB")
         check(self.replica_max_steps >= 0, "replica_max_steps", self.replica_max_steps, "0 or more")
         check(self.replica_threads >= 0, "replica_threads", self.replica_threads, "0 or more")
+        check(0 <= self.warm_replicas <= 16, "warm_replicas", self.warm_replicas, "between 0 and 16")
         if self.replica:
             check(bool(self.core), "core", self.core, "the core's host:port in replica mode")
-            check(bool(self.cell_id), "cell_id", self.cell_id, "a cell id in replica mode")
+            check(bool(self.cell_id) or self.replica_warm, "cell_id", self.cell_id, "a cell id in replica mode")

@@ -8,9 +8,12 @@ Heavy imports (torch, transformers) happen inside the build functions, so ``--he
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +21,7 @@ from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common import security
 from services.common.config import load_config
 from services.common.entry import Built, run_service
-from services.common.logging import setup_logging
+from services.common.logging import get_logger, setup_logging
 from services.common.server import build_server
 from services.trainer.config import TrainerConfig
 
@@ -46,7 +49,7 @@ def build_trainer(cfg: TrainerConfig) -> Built:
                           service_names=[TRAINER_SERVICE], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
     replicas = ReplicaProcesses(f"{advertised_host(cfg.host, cfg.advertise_host, towards=cfg.trajectory_address)}"
-                                f":{server.port}", log_dir=cfg.replica_log_dir)
+                                f":{server.port}", log_dir=cfg.replica_log_dir, warm=cfg.warm_replicas)
     servicer.replicas = replicas
 
     def on_shutdown() -> None:
@@ -82,6 +85,21 @@ def run_replica(cfg: TrainerConfig) -> int:
     setup_logging(json=cfg.log_json, level=cfg.log_level, service="trainer-replica")
     if cfg.replica_threads:
         torch.set_num_threads(cfg.replica_threads)
+    if cfg.replica_warm:
+        warmed = _warm_up()
+        line = sys.stdin.readline()  # the core hands this process a cell, or closes the pipe
+        if not line.strip():
+            return 0
+        try:
+            task = json.loads(line)
+            cfg = dataclasses.replace(cfg, cell_id=str(task["cell_id"]), replica_id=str(task["replica_id"]),
+                                      replica_warm=False)
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} on stdin: {exc}",
+                  file=sys.stderr)
+            return 2
+        get_logger("services.trainer.main").info("warm replica assigned", cell_id=cfg.cell_id,
+                                                 replica_id=cfg.replica_id, warm_up_s=round(warmed, 3))
     stop = threading.Event()
     with TrainerClient(cfg.core, max_message_mb=cfg.max_message_mb) as core:
         replica = Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
@@ -91,6 +109,20 @@ def run_replica(cfg: TrainerConfig) -> int:
         signal.signal(signal.SIGINT, lambda *_: replica.interrupt())
         replica.run()
     return 0
+
+
+def _warm_up() -> float:
+    """What a replica pays before it can train, done ahead: the imports, and a throwaway model's
+    forward and backward (kernels, the autograd engine, the tree attention registered)."""
+    import torch
+
+    from services.trainer.model import build_model
+
+    t0 = time.perf_counter()
+    model = build_model("tiny:layers=1,hidden=64,heads=2,kv_heads=1,intermediate=128,vocab=256")
+    ids = torch.randint(0, 256, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return time.perf_counter() - t0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -151,7 +151,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                                           pid=spawned.proc.pid)
             if spawned.proc.poll() is not None:
                 raise FailedPrecondition(f"replica process for cell {request.cell_id!r} exited with code "
-                                         f"{spawned.proc.returncode} before joining (log in replica-{request.cell_id}.log)")
+                                         f"{spawned.proc.returncode} before joining (log in {spawned.log})")
             time.sleep(0.05)
         raise FailedPrecondition(f"replica for cell {request.cell_id!r} did not join within {request.wait_s or 120.0}s")
 

@@ -99,8 +99,11 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
                           service_names=[TRAINER_SERVICE]).start()
     address = f"127.0.0.1:{server.port}"
+    # one warm replica process: cell-a's AddReplica gets it (imports done) instead of a cold start
     replicas = ReplicaProcesses(address, log_dir=str(tmp_path), extra_args=("--replica-threads", "1", "--log-json",
-                                                                            "false"))
+                                                                            "false"), warm=1)
+    warm = replicas.warm_pids()
+    assert len(warm) == 1
     servicer.replicas = replicas
     client = TrainerClient(address)
     store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)  # our own connection
@@ -118,7 +121,8 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         # Step 1: A joins while the core waits at the hold, before any micro-batch.
         _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
         added = client.add_replica("cell-a", switch_id="sw1", wait_s=120)
-        assert added.step == 1
+        assert added.step == 1 and added.pid == warm[0]  # the warm process took the cell
+        _wait(lambda: len(replicas.warm_pids()) == 1 and replicas.warm_pids() != warm, "a new warm replica")
         _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
         store.set(f"{prefix}/release/1", "1")
         r1 = client.wait_step(1, timeout_s=90)
