@@ -40,6 +40,7 @@ class JobView:
     errors: list[str] = field(default_factory=list)
     migrations: dict[str, int] = field(default_factory=dict)  # requests migrated, by KV transport
     _open_switch: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _phases: dict[str, dict[str, float]] = field(default_factory=dict)
     role_spans: list[dict[str, Any]] = field(default_factory=list)
     _role_at: dict[str, tuple[str, float]] = field(default_factory=dict)
     last_metrics: dict[str, str] = field(default_factory=dict)
@@ -83,10 +84,13 @@ class JobView:
             started = self._open_switch.pop(cell, {})
             done = kind == "switch_finished"
             self._role(cell, "switching", a.get("to" if done else "from", ""), at)
+            phases = self._phases.pop(cell, {})
             if done:
                 self.switches.append({"cell_id": cell, "from": a.get("from"), "to": a.get("to"),
                                       "duration_s": float(a.get("duration_ms", 0) or 0) / 1000.0, "at_s": at,
-                                      "reason": started.get("reason", "")})
+                                      "reason": started.get("reason", ""), "phases": phases})
+        elif kind == "switch_phases":  # logged just before its switch_finished
+            self._phases[a.get("cell_id", "")] = json.loads(a.get("phases") or "{}")
         elif kind == "migration":
             for transport, n in json.loads(a.get("transports") or "{}").items():
                 self.migrations[transport] = self.migrations.get(transport, 0) + int(n)

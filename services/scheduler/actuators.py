@@ -26,6 +26,7 @@ it carries the same switch out again.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
@@ -69,9 +70,21 @@ class ServicesActuator:
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
                migrate_to: Sequence[CellRecord]) -> dict[str, str]:
+        """Carry the switch out; returns event attributes: the drain's migrations, and ``phases``
+        (JSON seconds per phase: drain, release, agent, replica_join, engine_resume)."""
         info: dict[str, str] = {}
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = round(now - t, 4)
+            t = now
+
         if from_role is Role.ROLLOUT:
-            info = _drain(self.gateway, cell)
+            info = _drain(self.gateway, cell)  # its requests migrate (KV over UCX) before it leaves
+            lap("drain")
         elif from_role is Role.TRAIN:
             # a hosted replica is only released here: its agent stops it below (and waits for it)
             wait_s = 0.0 if cell.hosts_replica else self.timeout_s
@@ -81,6 +94,7 @@ class ServicesActuator:
                 released = True
             if not released:
                 raise Unavailable(f"the trainer did not release {cell.cell_id} within {self.timeout_s:.0f}s")
+            lap("release")  # the replica handed its gradient off and left
         if cell.hosts_replica:
             with CellAgentClient(cell.address, timeout_s=self.timeout_s) as agent:
                 role, took = agent.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id,
@@ -89,9 +103,11 @@ class ServicesActuator:
             if role is not to_role:
                 raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
             log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
+            lap("agent")
         if to_role is Role.TRAIN:
             self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0),
                                      hosted=cell.hosts_replica)
+            lap("replica_join")  # replica process (warm or cold) in the step, weights loaded
         elif to_role is Role.ROLLOUT:
             try:
                 # "": the engine the gateway knew for this cell before the drain (the cell's
@@ -99,6 +115,8 @@ class ServicesActuator:
                 self.gateway.register_engine(cell.cell_id, "")
             except AlreadyExists:
                 pass
+            lap("engine_resume")  # the gateway routes to its engine again
+        info["phases"] = json.dumps(phases, sort_keys=True)
         return info
 
     def close(self) -> None:

@@ -81,6 +81,7 @@ class EventKind(str, Enum):
     SWITCH_ROLLED_BACK = "switch_rolled_back"  # attrs: cell_id, from, to, switch_id, duration_s, error
     METRICS = "metrics"  # periodic snapshot: queued, running, done_in_step, rollout_cells, train_cells
     MIGRATION = "migration"  # a drain moved in-flight requests; attrs: cell_id, migrated, transports, targets
+    SWITCH_PHASES = "switch_phases"  # where a switch's time went; attrs: cell_id, switch_id, from, to, phases (JSON s)
     ENGINE_MODEL = "engine_model"  # an engine loaded the job's model; attrs: engine, model, model_name
     JOB_PREPARED = "job_prepared"  # the controller configured reward and started the trainer; attrs: scorer, engines
     EVALUATION_STARTED = "evaluation_started"  # a held-out round was enqueued; attrs: round, after_step, tasks

@@ -330,10 +330,16 @@ class Orchestrator:
                    targets: Sequence[CellRecord]) -> None:
         bound = log.bind(job_id=job.job_id, cell_id=cell.cell_id, switch_id=switch_id)
         try:
-            info = self.actuator.switch(cell, from_role, to_role, switch_id=switch_id, job=job, migrate_to=targets)
+            info = dict(self.actuator.switch(cell, from_role, to_role, switch_id=switch_id, job=job,
+                                             migrate_to=targets) or {})
+            phases = info.pop("phases", "")
             if info and info.get("migrated"):
                 self.state.append_event(job.job_id, EventKind.MIGRATION.value,
                                         {"cell_id": cell.cell_id, "switch_id": switch_id, **info})
+            if phases:
+                self.state.append_event(job.job_id, EventKind.SWITCH_PHASES.value,
+                                        {"cell_id": cell.cell_id, "switch_id": switch_id, "from": from_role.value,
+                                         "to": to_role.value, "phases": phases})
         except Exception as exc:  # deliberate: a failed switch is rolled back, not fatal
             bound.warning("switch failed; rolling back", from_role=from_role.value, to_role=to_role.value,
                           error=str(exc))
