@@ -10,6 +10,8 @@ the scorer workers.
 
 from __future__ import annotations
 
+import threading
+
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,7 +54,13 @@ def build_reward(cfg: RewardConfig) -> Built:
                           service_names=[SERVICE_NAME], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
 
+    # outcomes the trajectory service missed (down when they were scored) are delivered later
+    stop_retries = threading.Event()
+    threading.Thread(target=core.run_report_retries, args=(stop_retries,), name="outcome-retries",
+                     daemon=True).start()
+
     def on_shutdown() -> None:
+        stop_retries.set()
         pool.close()
         external.close()
 

@@ -284,6 +284,10 @@ class RewardService:
                     self._report(record)
                 return record, True
             record = self._score_new(job_id, execution_id, status, timeout_policy, group_id, step, task_id)
+            # owed to the trajectory service until reported (first: a crash right after the set
+            # below still leaves the report owed, and retry_reports delivers it)
+            if self.report_outcome is not None:
+                self.r.zadd(self.keys.key("unreported"), {execution_id: time.time()})
             # NX: another reward process may have scored it meanwhile; its record wins.
             if not self.r.set(key, record.to_json(), nx=True, ex=self.retention_s):
                 stored = self.r.get(key)
@@ -346,3 +350,38 @@ class RewardService:
         OUTCOME_REPORTS.labels("ok").inc()
         record.outcome_reported = True
         self.r.set(self.keys.key("score", record.execution_id), record.to_json(), xx=True, keepttl=True)
+        self.r.zrem(self.keys.key("unreported"), record.execution_id)
+
+    def retry_reports(self, limit: int = 256) -> int:
+        """Report again the outcomes the trajectory service has not acknowledged (it was down or
+        restarting when they were scored: a harness does not score a finished execution twice, so
+        nothing else would ever deliver them and the step would never complete). Returns how
+        many were reported now."""
+        if self.report_outcome is None:
+            return 0
+        owed = self.keys.key("unreported")
+        done = 0
+        for raw_id in self.r.zrange(owed, 0, limit - 1):
+            execution_id = _text(raw_id)  # type: ignore[arg-type]
+            with self._lock(execution_id):
+                raw = self.r.get(self.keys.key("score", execution_id))
+                record = ScoreRecord.from_json(raw) if raw is not None else None
+                if record is None or record.outcome_reported:
+                    self.r.zrem(owed, execution_id)  # expired, or reported by another process
+                    continue
+                self._report(record)
+                if not record.outcome_reported:
+                    break  # the trajectory service is still unreachable: try again later
+                done += 1
+        return done
+
+    def run_report_retries(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+        """``retry_reports`` every ``interval_s`` until ``stop`` (a thread of the service)."""
+        while not stop.wait(interval_s):
+            try:
+                n = self.retry_reports()
+            except redis.RedisError as exc:  # Redis restarting: the next round retries
+                log.warning("outcome report retry failed", error=str(exc))
+                continue
+            if n:
+                log.info("owed outcomes reported", executions=n)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import GyreError
+from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.trainer.client import TrainerClient
 from services.trainer.core import backend_for, build_learner
@@ -128,9 +128,17 @@ class Replica:
             self.stats.micro_batches += trained
             assert self.stats.per_step_batches is not None
             self.stats.per_step_batches[ticket.step] = trained
-            if self.stop_event.is_set():
-                self._leave(ticket.step, trained, learner)
-                break
+            leaving = self.stop_event.is_set()
+            if leaving:
+                try:
+                    self._leave(ticket.step, trained, learner)
+                    break
+                except FailedPrecondition as exc:
+                    if "is sealed" not in str(exc):
+                        raise
+                    # asked to go just as the step was sealed with it: the others wait for its
+                    # gradient in the all-reduce, so it takes part first and then exits
+                    log.info("released at the step's seal; all-reducing before leaving")
             seal = self.core.await_reduce(self.replica_id, ticket.step)
             if seal.world_size > 1:
                 group = open_group(seal, store_host=ticket.store_host, store_port=ticket.store_port,
@@ -140,7 +148,7 @@ class Replica:
             held_version = ticket.weight_version  # the core's update makes it stale; next join pulls v+1
             log.info("replica step done", micro_batches=trained, rank=seal.rank, world=seal.world_size,
                      release=seal.release)
-            if seal.release or (self.max_steps and self.stats.steps >= self.max_steps):
+            if leaving or seal.release or (self.max_steps and self.stats.steps >= self.max_steps):
                 break
             if ticket.step + 1 >= job.num_steps:
                 break

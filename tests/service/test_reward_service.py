@@ -310,3 +310,33 @@ def test_unreported_outcome_is_reported_on_the_next_score(reward, redis_url: str
         assert again.duplicate and again.outcome_reported
     finally:
         tserver.stop(0)
+
+
+def test_an_outcome_scored_while_trajectory_is_down_is_delivered_without_another_score(
+        reward, redis_url: str, tmp_path: Path) -> None:
+    """A harness scores a finished execution once: if the trajectory service was down then (the
+    crash test killed it), the reward service delivers the outcome by itself once it is back, or
+    its group, and with it the step, would never complete."""
+    from services.common.server import free_port
+    from services.trajectory.records import Outcome
+
+    port = free_port()
+    client = reward(trajectory_address=f"127.0.0.1:{port}")
+    tid = task_ids(1, params=PARAMS)[0]
+    r = client.score("job", "e-owed", "finished", group_id="g", task_id=tid)
+    assert not r.outcome_reported and r.state == "ok"
+    tcfg = TrajectoryConfig(redis_url=redis_url, spool_dir=str(tmp_path / "tspool"), port=port, log_json=False)
+    tserver, _ = build_trajectory(tcfg)
+    tserver.start()
+    tserver.set_serving(True)
+    try:
+        deadline = time.monotonic() + 60
+        while not client.get_score("e-owed").outcome_reported:  # GetScore reads; it reports nothing
+            assert time.monotonic() < deadline, "the owed outcome was never reported"
+            time.sleep(0.1)
+        with TrajectoryClient(tserver.address) as traj:
+            dup, _ = traj.complete_execution(Outcome(execution_id="e-owed", group_id="g", status="finished",
+                                                     reward=r.reward, step=0, job_id="job"))
+        assert dup  # the trajectory service already had exactly this outcome
+    finally:
+        tserver.stop(0)
