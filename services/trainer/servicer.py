@@ -66,11 +66,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.core.stop()
         return trainer_pb2.StopJobResponse(step=int(self.core.status()["step"]))
 
+    def _pid_of(self, replica_id: str) -> int:
+        return self.replicas.pid_of(replica_id) if self.replicas is not None else 0
+
     def GetStatus(self, request: trainer_pb2.GetStatusRequest, context: Any) -> trainer_pb2.TrainerStatus:
         st = self.core.status()
         return trainer_pb2.TrainerStatus(
             job_id=st["job_id"], phase=st["phase"], step=int(st["step"]), weight_version=int(st["weight_version"]),
-            replicas=[wire.replica_info(m) for m in st["members"]], error=st["error"],
+            replicas=[wire.replica_info(m, self._pid_of(str(m["replica_id"]))) for m in st["members"]],
+            error=st["error"],
             num_steps=int(st.get("num_steps", 0)), last_metrics={k: float(v) for k, v in st.get("last", {}).items()},
             store_address=f"{self.core.store_host}:{self.core.store_port}")
 

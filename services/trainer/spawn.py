@@ -122,6 +122,14 @@ class ReplicaProcesses:
                     return s.proc.poll() is None
         return None
 
+    def pid_of(self, replica_id: str) -> int:
+        """The process of ``replica_id`` when this core started it and it runs; 0 otherwise."""
+        with self._lock:
+            for s in self._by_cell.values():
+                if s.replica_id == replica_id and s.proc.poll() is None:
+                    return s.proc.pid
+        return 0
+
     def replica_of(self, cell_id: str) -> str | None:
         with self._lock:
             s = self._by_cell.get(cell_id)

@@ -133,10 +133,10 @@ def gradients_from_stream(stream: Iterable[trainer_pb2.GradientChunk]) -> tuple[
     return str(head["replica_id"]), int(head["step"]), grads
 
 
-def replica_info(m: Mapping[str, Any]) -> trainer_pb2.ReplicaInfo:
+def replica_info(m: Mapping[str, Any], pid: int = 0) -> trainer_pb2.ReplicaInfo:
     return trainer_pb2.ReplicaInfo(replica_id=str(m["replica_id"]), cell_id=str(m["cell_id"]), step=int(m["step"]),
                                    done=bool(m["done"]), left=bool(m["left"]), evicted=bool(m["evicted"]),
-                                   rank=int(m["rank"]), release=bool(m["release"]))
+                                   rank=int(m["rank"]), release=bool(m["release"]), pid=pid)
 
 
 def step_report_to_proto(report: Any) -> trainer_pb2.StepReport:

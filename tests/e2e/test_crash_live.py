@@ -108,7 +108,8 @@ def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, in
     with _trainer(data) as trainer:
         while not watch_done():
             for r in trainer.status().replicas:
-                pid = None if (r.left or r.evicted) else _pid_of_replica(r.replica_id)
+                # the core's own replicas (warm ones too) carry their pid; a cell agent's: by argv
+                pid = None if (r.left or r.evicted) else (r.pid or _pid_of_replica(r.replica_id))
                 if pid is not None:
                     return r.replica_id, pid
             time.sleep(0.05)
@@ -248,6 +249,8 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         with _trainer(stack) as trainer:
             reports = [trainer.wait_step(s, timeout_s=10) for s in range(steps)]
         assert sum(r.metrics["evicted"] for r in reports) == 1, [dict(r.metrics) for r in reports]
+        with _trainer(stack) as trainer:  # the killed process is nobody's replica any more
+            assert not [r for r in trainer.status().replicas if r.replica_id == replica_id and r.pid == before]
         assert _pid_of_replica(replica_id) is None
         return
     # the job may end before the supervisor has the process serving again (a model load): wait for that
