@@ -168,6 +168,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reap", action="store_true", help="after each scoring, kill every other process in "
                    "the sandbox (only inside its own PID namespace)")
     args = p.parse_args(argv)
+    import services
+
+    for key in services.SET_HERE:  # what importing Gyre added: scorers see only the sandbox's environment
+        os.environ.pop(key, None)
     if not args.scratch:
         import tempfile
 

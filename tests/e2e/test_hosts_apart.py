@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -314,22 +315,26 @@ def _cells(scheduler: str) -> list:
         return [info.cell for info in s.list_cells()]
 
 
-def _cordon_a_busy_cell(scheduler: str, job_id: str, cli: list[str], operator: dict[str, str]) -> str:
+def _cordon_a_busy_cell(sched: Any, job_id: str, cli: list[str], operator: dict[str, str]) -> str:
     """Once the job's executions run and both rollout cells have requests in flight, the operator
     cordons the busier with `gyre cordon`: its requests migrate to the other host's engine and it
     trains (its replica, on its own host, joins the core) until the job ends, whatever the policy
-    would have done. "" while not yet."""
-    from services.scheduler.client import SchedulerClient
+    would have done. "" while not yet (or while the scheduler does not answer in time: next poll)."""
+    from services.common.errors import Unavailable
 
-    with SchedulerClient(scheduler) as s:
-        if s.get_job(job_id).running == 0:
+    try:
+        if sched.get_job(job_id).running == 0:
             return ""
-    rolling = sorted((c.inflight, c.cell_id) for c in _cells(scheduler) if c.role.value == "rollout" and not c.is_core)
+        rolling = sorted((i.cell.inflight, i.cell.cell_id) for i in sched.list_cells()
+                         if i.cell.role.value == "rollout" and not i.cell.is_core)
+    except Unavailable:
+        return ""
     if len(rolling) < 2 or rolling[0][0] == 0:
         return ""
     cell = rolling[-1][1]
-    done = subprocess.run([*cli, "cordon", "--scheduler", scheduler, cell, "--reason", "e2e: train on a rollout host"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60, env=operator)
+    done = subprocess.run([*cli, "cordon", "--scheduler", sched.address, cell, "--reason",
+                           "e2e: train on a rollout host"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=operator)
     assert done.returncode == 0, done.stdout + done.stderr
     return cell
 
@@ -402,15 +407,19 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     watch = subprocess.Popen([*cli, "watch", "--scheduler", addr["scheduler"], job_id, "--json"], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=operator)
     cordoned = ""
+    from services.scheduler.client import SchedulerClient
+
+    sched = SchedulerClient(addr["scheduler"])  # one channel (one TLS handshake) for the whole watch
     try:
         deadline = time.monotonic() + 1000
         while watch.poll() is None:  # every process stays up (nothing here restarts one)
             procs.check_alive()
             assert time.monotonic() < deadline, "the job did not end"
             if not cordoned:
-                cordoned = _cordon_a_busy_cell(addr["scheduler"], job_id, cli, operator)
+                cordoned = _cordon_a_busy_cell(sched, job_id, cli, operator)
             time.sleep(0.2)
     finally:
+        sched.close()
         long_calls.stop()
         if watch.poll() is None:
             watch.kill()
