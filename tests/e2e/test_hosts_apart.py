@@ -339,6 +339,19 @@ def _cordon_a_busy_cell(sched: Any, job_id: str, cli: list[str], operator: dict[
     return cell
 
 
+def _drained_without_migrating(sched: Any, job_id: str, cell: str, since: float) -> bool:
+    """Whether ``cell``'s cordon switch to TRAIN (after ``since``) finished without migrating."""
+    from services.common.errors import Unavailable
+
+    try:
+        events = [e for e in sched.watch(job_id, follow=False) if e.ts_s >= since - 1.0
+                  and e.attrs.get("cell_id") == cell]
+    except Unavailable:
+        return False
+    switched = any(e.kind == "switch_finished" and e.attrs.get("to") == "train" for e in events)
+    return switched and not any(e.kind == "migration" for e in events)
+
+
 def _every_port_is_tls_only(addr: dict[str, str], cells: dict) -> None:
     """TLS by default: every gRPC port refuses a plaintext client (health included) and serves one
     that trusts the deployment's CA; the gateway's HTTP endpoint is https and wants the harness token."""
@@ -406,7 +419,7 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     long_calls.start(addr["gateway"])
     watch = subprocess.Popen([*cli, "watch", "--scheduler", addr["scheduler"], job_id, "--json"], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=operator)
-    cordoned = ""
+    cordoned, attempts, cordoned_at = "", 0, 0.0
     from services.scheduler.client import SchedulerClient
 
     sched = SchedulerClient(addr["scheduler"])  # one channel (one TLS handshake) for the whole watch
@@ -415,8 +428,14 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
         while watch.poll() is None:  # every process stays up (nothing here restarts one)
             procs.check_alive()
             assert time.monotonic() < deadline, "the job did not end"
-            if not cordoned:
+            if not cordoned and attempts < 4:
                 cordoned = _cordon_a_busy_cell(sched, job_id, cli, operator)
+                attempts, cordoned_at = attempts + bool(cordoned), time.time()
+            elif cordoned and attempts < 4 and _drained_without_migrating(sched, job_id, cordoned, cordoned_at):
+                # its requests ended before the drain reached them: give it back, cordon again later
+                subprocess.run([*cli, "uncordon", "--scheduler", sched.address, cordoned], cwd=REPO,
+                               capture_output=True, text=True, timeout=60, env=operator, check=True)
+                cordoned = ""
             time.sleep(0.2)
     finally:
         sched.close()
