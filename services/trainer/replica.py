@@ -42,6 +42,9 @@ from services.trainer.sources import BatchSource, open_source, train_delivery
 from services.trainer.weights import load_state
 
 
+JOIN_WAIT_S = 60.0  # how long a replica waits for a step to join before it gives up
+
+
 @dataclass
 class ReplicaStats:
     steps: int = 0
@@ -95,7 +98,10 @@ class Replica:
         t0 = time.perf_counter()
         held_version = -1
         while not self.stop_event.is_set():
-            ticket, job, backend = self.core.join_step(self.replica_id, self.cell_id)
+            joined = self._join()
+            if joined is None:
+                break
+            ticket, job, backend = joined
             log = self.log.bind(job_id=job.job_id, step=ticket.step)
             if self._alive is None and ticket.heartbeat_interval_s > 0:
                 self._alive = threading.Thread(target=self._heartbeat, args=(ticket.heartbeat_interval_s,),
@@ -156,6 +162,21 @@ class Replica:
             self._source.close()
         self.log.info("replica exits", steps=self.stats.steps, micro_batches=self.stats.micro_batches)
         return self.stats
+
+    def _join(self) -> tuple | None:
+        """JoinStep, waiting while the core has no step to join (its job is ending, the next one not
+        started yet: a warm replica handed its cell at that moment is there before it); None when
+        asked to stop meanwhile. Gives up (raises) after JOIN_WAIT_S."""
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while True:
+            try:
+                return self.core.join_step(self.replica_id, self.cell_id)
+            except FailedPrecondition as exc:
+                if time.monotonic() > deadline:
+                    raise
+                self.log.info("no step to join yet; waiting", error=str(exc))
+            if self.stop_event.wait(0.5):
+                return None
 
     def _leave(self, step: int, trained: int, learner: Learner) -> None:
         if trained:
