@@ -61,6 +61,15 @@ def reward(redis_url: str, tmp_path: Path) -> Iterator:
         server.stop(0)
 
 
+def _trajectory_server(redis_url: str, tmp_path: Path, port: int = 0) -> Any:
+    """A real trajectory service on ``port`` (0: any), serving."""
+    tcfg = TrajectoryConfig(redis_url=redis_url, spool_dir=str(tmp_path / "tspool"), port=port, log_json=False)
+    tserver, _ = build_trajectory(tcfg)
+    tserver.start()
+    tserver.set_serving(True)
+    return tserver
+
+
 def _task_files(task_id: str, n_modules: int) -> dict[str, bytes]:
     task = task_from_id(task_id)
     return {task.module_path(m.name): m.reference_code.encode() for m in task.modules[:n_modules]}
@@ -296,10 +305,7 @@ def test_unreported_outcome_is_reported_on_the_next_score(reward, redis_url: str
     tid = task_ids(1, params=PARAMS)[0]
     r = client.score("job", "e-late", "finished", group_id="g", task_id=tid)
     assert not r.outcome_reported and r.state == "ok"  # trajectory is down: score kept, report pending
-    tcfg = TrajectoryConfig(redis_url=redis_url, spool_dir=str(tmp_path / "tspool"), port=port, log_json=False)
-    tserver, _ = build_trajectory(tcfg)
-    tserver.start()
-    tserver.set_serving(True)
+    tserver = _trajectory_server(redis_url, tmp_path, port)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -325,10 +331,7 @@ def test_an_outcome_scored_while_trajectory_is_down_is_delivered_without_another
     tid = task_ids(1, params=PARAMS)[0]
     r = client.score("job", "e-owed", "finished", group_id="g", task_id=tid)
     assert not r.outcome_reported and r.state == "ok"
-    tcfg = TrajectoryConfig(redis_url=redis_url, spool_dir=str(tmp_path / "tspool"), port=port, log_json=False)
-    tserver, _ = build_trajectory(tcfg)
-    tserver.start()
-    tserver.set_serving(True)
+    tserver = _trajectory_server(redis_url, tmp_path, port)
     try:
         deadline = time.monotonic() + 60
         while not client.get_score("e-owed").outcome_reported:  # GetScore reads; it reports nothing
