@@ -109,7 +109,7 @@ class GatewayConfig(ServerConfig):
     probe_interval_s: float = setting(2.0, "Engine load/health probe period, seconds.")
     call_cache_tokens: int = setting(16_000_000, "Tokens of recent calls kept for prompt deltas.")
     prompt_cache_tokens: int = setting(8_000_000, "Tokens of recent HTTP conversations kept for exact-id reuse.")
-    tito_queue: int = setting(10_000, "TITO records buffered for the trajectory service before dropping.")
+    tito_queue_mb: int = setting(256, "MiB of TITO records buffered for the trajectory service before dropping.")
     tito_encoder_tokens: int = setting(32_000_000, "Tokens the TITO delta encoder keeps (least recently used "
                                                    "executions beyond are dropped: their calls go out whole).")
     tito_forget_interval_s: float = setting(10.0, "How often executions the scheduler ended are dropped from the "
@@ -136,7 +136,7 @@ class GatewayConfig(ServerConfig):
         check(self.probe_interval_s > 0, "probe_interval_s", self.probe_interval_s, "> 0 seconds")
         check(self.call_cache_tokens >= 1, "call_cache_tokens", self.call_cache_tokens, "at least 1")
         check(self.prompt_cache_tokens >= 1, "prompt_cache_tokens", self.prompt_cache_tokens, "at least 1")
-        check(self.tito_queue >= 1, "tito_queue", self.tito_queue, "at least 1")
+        check(self.tito_queue_mb >= 1, "tito_queue_mb", self.tito_queue_mb, "at least 1 MiB")
         check(self.tito_sync_timeout_s >= 0, "tito_sync_timeout_s", self.tito_sync_timeout_s, ">= 0")
         check(not (self.http_port >= 0 and not self.tokenizer_path), "tokenizer_path", self.tokenizer_path,
               "a tokenizer directory (or 'builtin-tiny') when http_port is enabled")

@@ -119,14 +119,18 @@ class SlotKV:
         t = int(self.lens[slot])
         return [(k[slot, :, :t].clone(), v[slot, :, :t].clone()) for k, v in zip(self.keys, self.values)]
 
-    def begin_step(self) -> torch.Tensor:
+    def begin_step(self) -> torch.Tensor | None:
         """Prepare a decode step over rows ``0..n-1``; returns the bool attention mask
-        ``[n, 1, 1, max_len + 1]`` (row r sees its ``lens[r]`` cached tokens and the new one)."""
+        ``[n, 1, 1, max_len + 1]`` (row r sees its ``lens[r]`` cached tokens and the new one), or
+        None when every row has the same length (one row alone, say): each sees every key."""
         lens = self.lens[: self.n]
-        self.reserve(slots=self.n, tokens=int(lens.max()) + 1)
-        self._view_len = int(lens.max()) + 1
+        longest = int(lens.max())
+        self.reserve(slots=self.n, tokens=longest + 1)
+        self._view_len = longest + 1
         self._pos = torch.from_numpy(lens.copy()).to(self.device)
         self._rows = torch.arange(self.n, device=self.device)
+        if int(lens.min()) == longest:
+            return None
         cols = torch.arange(self._view_len, device=self.device)
         return (cols[None, :] <= self._pos[:, None])[:, None, None, :]
 

@@ -179,7 +179,7 @@ def build_gateway(cfg: GatewayConfig) -> Built:
     sweeper_stop = threading.Event()
     if cfg.trajectory_address:
         sink = _tito_sink(cfg)
-        forwarder = TitoForwarder(sink, max_queue=cfg.tito_queue).start()
+        forwarder = TitoForwarder(sink, max_queue_bytes=cfg.tito_queue_mb << 20).start()
         threading.Thread(target=_forget_ended, args=(sink.client, redis_client, cfg.tito_forget_interval_s,
                                                      sweeper_stop), name="forget-ended", daemon=True).start()
     gateway = Gateway(connect=lambda a: EngineClient(a, max_message_mb=cfg.max_message_mb),

@@ -3,9 +3,13 @@
 The gateway produces one ``services.trajectory.records.TitoCall`` per finished call and hands it to a
 ``TitoForwarder``, which never blocks the caller:
 
-    gateway threads --submit()--> bounded queue --> forwarder thread --sink(batch)--> trajectory
-                                  (full: drop +        (retries with capped exponential
-                                   count + log)         backoff and jitter, each attempt logged)
+    gateway threads --submit()--> queue bounded --> forwarder thread --sink(batch)--> trajectory
+                                  by bytes (full:      (retries with capped exponential
+                                  drop+count+log)       backoff and jitter, each attempt logged)
+
+The bound is on bytes, not records: one call of a 1M-token execution carries megabytes of prompt
+ids, a short chat turn a few hundred bytes, so a record count bounds neither memory nor backlog.
+A record is counted from the moment it is queued until its batch was delivered (or dropped).
 
 ``sink`` is whatever delivers a batch (in production ``TrajectoryClient.ingest`` behind a delta
 encoder, see ``services.rollout.main``); it raises to signal a failed attempt.
@@ -13,9 +17,9 @@ encoder, see ``services.rollout.main``); it raises to signal a failed attempt.
 
 from __future__ import annotations
 
-import queue
 import random
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
@@ -34,6 +38,16 @@ TITO_DROPPED = Counter("gyre_rollout_tito_dropped_total",
 TITO_RETRIES = Counter("gyre_rollout_tito_retries_total", "Failed attempts to deliver a TITO batch.",
                        registry=REGISTRY)
 TITO_QUEUE = Gauge("gyre_rollout_tito_queue", "TITO records waiting to be forwarded.", registry=REGISTRY)
+TITO_QUEUE_BYTES = Gauge("gyre_rollout_tito_queue_bytes", "Bytes of TITO records queued or in delivery.",
+                         registry=REGISTRY)
+RECORD_OVERHEAD_BYTES = 256  # ids, role, version and the object itself, beyond the token arrays
+
+
+def record_bytes(call: TitoCall) -> int:
+    """Memory a queued record holds: its token and logprob arrays plus a fixed overhead."""
+    prompt = call.prompt_ids if call.prompt_ids is not None else call.delta.new_ids if call.delta else None
+    arrays = call.output_ids.nbytes + call.output_logprobs.nbytes + (0 if prompt is None else prompt.nbytes)
+    return arrays + RECORD_OVERHEAD_BYTES
 
 
 Sink = Callable[[list[TitoCall]], None]
@@ -47,12 +61,14 @@ class TitoForwarder:
     Lifecycle: start() -> submit()* -> stop(timeout_s) (delivers what is queued, within timeout).
     """
 
-    def __init__(self, sink: Sink, *, max_queue: int = 10_000, batch_size: int = 64,
+    def __init__(self, sink: Sink, *, max_queue_bytes: int = 256 << 20, batch_size: int = 64,
                  backoff_s: float = 0.2, max_backoff_s: float = 10.0) -> None:
-        if max_queue < 1 or batch_size < 1:
-            raise ValueError("max_queue and batch_size must be >= 1")
+        if max_queue_bytes < 1 or batch_size < 1:
+            raise ValueError("max_queue_bytes and batch_size must be >= 1")
         self._sink = sink
-        self._queue: queue.Queue[TitoCall] = queue.Queue(maxsize=max_queue)
+        self._max_bytes = max_queue_bytes
+        self._queue: deque[tuple[TitoCall, int]] = deque()  # guarded by _idle
+        self._bytes = 0  # queued + in delivery
         self._batch_size = batch_size
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
@@ -67,20 +83,27 @@ class TitoForwarder:
         return self
 
     def submit(self, call: TitoCall) -> bool:
-        """Queue a record; False (counted, logged) when the queue is full or stopped."""
+        """Queue a record; False (counted, logged) when its bytes do not fit or the forwarder
+        stopped. A record larger than the whole budget still goes when nothing else is queued."""
         if self._stop.is_set():
             TITO_DROPPED.inc()
             return False
-        try:
-            self._queue.put_nowait(call)
-        except queue.Full:
-            TITO_DROPPED.inc()
-            log.error("tito queue full; record dropped", execution_id=call.execution_id,
-                      call_id=call.call_id)
-            return False
+        size = record_bytes(call)
         with self._idle:
-            self._busy += 1
-        TITO_QUEUE.set(self._queue.qsize())
+            full = self._bytes and self._bytes + size > self._max_bytes
+            if not full:
+                self._queue.append((call, size))
+                self._bytes += size
+                self._busy += 1
+                self._idle.notify_all()
+            queued, queued_bytes = len(self._queue), self._bytes
+        if full:
+            TITO_DROPPED.inc()
+            log.error("tito queue full; record dropped", execution_id=call.execution_id, call_id=call.call_id,
+                      record_bytes=size, queued_bytes=queued_bytes, max_queue_bytes=self._max_bytes)
+            return False
+        TITO_QUEUE.set(queued)
+        TITO_QUEUE_BYTES.set(queued_bytes)
         return True
 
     def submit_and_wait(self, call: TitoCall, timeout_s: float) -> bool:
@@ -114,22 +137,20 @@ class TitoForwarder:
     def stop(self, timeout_s: float = 10.0) -> None:
         self.flush(timeout_s)
         self._stop.set()
+        with self._idle:
+            self._idle.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=max(timeout_s, 0.1))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < self._batch_size:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            TITO_QUEUE.set(self._queue.qsize())
+        while True:
+            with self._idle:
+                self._idle.wait_for(lambda: self._queue or self._stop.is_set())
+                if self._stop.is_set():
+                    return
+                taken = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+                TITO_QUEUE.set(len(self._queue))
+            batch = [call for call, _ in taken]
             delivered = self._deliver(batch)
             if delivered:
                 TITO_FORWARDED.inc(len(batch))
@@ -137,6 +158,8 @@ class TitoForwarder:
                 TITO_DROPPED.inc(len(batch))
             with self._idle:
                 self._busy -= len(batch)
+                self._bytes -= sum(size for _, size in taken)
+                TITO_QUEUE_BYTES.set(self._bytes)
                 for call in batch:
                     waiter = self._waiters.pop(id(call), None)
                     if waiter is not None:

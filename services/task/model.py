@@ -59,8 +59,11 @@ class BuiltinModelSpec:
     """Key/value heads (grouped-query attention)."""
     intermediate: int = 384
     """MLP width."""
-    max_positions: int = 1024
-    """Longest context the model is configured for, in tokens."""
+    max_positions: int = 65_536
+    """Longest context the model is configured for, in tokens (RoPE needs no table: it is free)."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base: large enough that the slowest rotation (wavelength ~2.6M tokens at head_dim 32)
+    never wraps within ``max_positions`` (at base 10,000 it wraps after ~35K tokens)."""
     demo_tasks: int = 600
     """Train tasks the demonstrator solves for the warm start."""
     snippet_steps: int = 150
@@ -88,6 +91,8 @@ class BuiltinModelSpec:
         if min(self.layers, self.demo_tasks, self.batch_size, self.threads) < 1 or min(self.sft_steps,
                                                                                        self.snippet_steps) < 0:
             raise ValueError("layers, demo_tasks, batch_size and threads must be >= 1, sft/snippet steps >= 0.")
+        if self.max_positions < 2 or self.rope_theta <= 1:
+            raise ValueError(f"need max_positions >= 2 and rope_theta > 1, got {self.max_positions}/{self.rope_theta}.")
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}.")
 
@@ -112,7 +117,7 @@ def builtin_config(spec: BuiltinModelSpec, codec: Codec) -> Any:
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True,
         attention_dropout=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         bos_token_id=codec.tok.token_to_id("<bos>"),
         eos_token_id=codec.eos_id,
         pad_token_id=codec.pad_id,

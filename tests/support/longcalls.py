@@ -41,7 +41,7 @@ class LongCalls:
 
         gateway = GatewayClient(address, timeout_s=120)
         prompt = np.arange(3, 40 + agent, dtype=np.int32)
-        params = SamplingParams(temperature=0.0, max_new_tokens=900)  # builtin-tiny context is 1024
+        params = SamplingParams(temperature=0.0, max_new_tokens=900)  # long calls: ~900 decode steps each
         n = 0
         while not self.stopping.is_set():
             n += 1

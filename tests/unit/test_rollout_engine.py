@@ -56,6 +56,17 @@ def _prompt(seed: int, n: int) -> np.ndarray:
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: np.ndarray, n: int) -> tuple[list[int], list[float]]:
+    """HF generate with transformers' own sdpa attention (an engine switches the model it serves to
+    its mask-free attention; the reference must not be the code under test). Called only while
+    the engines sharing ``model`` are idle."""
+    impl, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
+    try:
+        return _hf_generate(model, prompt, n)
+    finally:
+        model.config._attn_implementation = impl
+
+
+def _hf_generate(model: torch.nn.Module, prompt: np.ndarray, n: int) -> tuple[list[int], list[float]]:
     out = model.generate(torch.tensor(prompt[None], dtype=torch.long), do_sample=False, max_new_tokens=n,
                          min_new_tokens=n, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     seq = out.sequences[0, len(prompt):].tolist()
@@ -421,3 +432,58 @@ def test_full_state_dict_with_tied_embeddings_installs() -> None:
         assert events[-1].finished and events[-1].finish_reason == "length" and events[-1].weight_version == 1
     finally:
         engine.stop()
+
+
+# ------------------------------------------------------------------ long contexts, no dense masks
+def test_lower_right_attention_equals_the_masked_reference() -> None:
+    from services.rollout.attention import lower_right_causal
+
+    gen = torch.Generator().manual_seed(0)
+    for q_len, keys in ((5, 5), (7, 30), (1, 9), (64, 1000)):
+        q = torch.randn(2, 4, q_len, 32, generator=gen)
+        k, v = torch.randn(2, 2, keys, 32, generator=gen), torch.randn(2, 2, keys, 32, generator=gen)
+        mask = torch.ones(q_len, keys, dtype=torch.bool).tril(keys - q_len)  # query i sees keys <= past + i
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                               attn_mask=mask)
+        torch.testing.assert_close(lower_right_causal(q, k, v, 32 ** -0.5), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_long_chunked_prefill_builds_no_context_sized_mask(model: torch.nn.Module,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.rollout import attention
+
+    masks: list[tuple[int, ...]] = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        mask = kwargs.get("attn_mask")
+        if isinstance(mask, torch.Tensor):
+            masks.append(tuple(mask.shape))
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    eng = TorchEngine(model, device="cpu", prefill_chunk_tokens=256)
+    eng.start()
+    try:
+        col = Collector()
+        long = _prompt(30, 1500)  # 6 chunks: five of them meet a cache that already holds keys
+        eng.submit(GenRequest("long", long, _greedy(6)), col)
+        col.wait("long")
+        assert masks == []  # one request alone: prefill and decode pass no mask at all
+        short = _prompt(31, 40)
+        eng.submit(GenRequest("l2", long, _greedy(30)), col)
+        eng.submit(GenRequest("short", short, _greedy(30)), col)
+        col.wait("l2"), col.wait("short")
+    finally:
+        eng.stop()
+    # rows of different lengths decode with a per-row length mask: rows x keys, never queries x keys
+    assert masks and all(shape[1:3] == (1, 1) and shape[0] <= 2 for shape in masks)
+    assert col.tokens("long") == _hf_greedy(model, long, 6)[0]
+    assert col.tokens("short") == _hf_greedy(model, short, 30)[0]
+
+
+def test_kv_budget_must_hold_one_full_length_request(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="cannot hold one full-length request of 4096 tokens"):
+        TorchEngine(model, device="cpu", kv_capacity_tokens=1000)
+    assert TorchEngine(model, device="cpu").kv_capacity_tokens == 65_536
+    assert TorchEngine(model, device="cpu", max_context=512, kv_capacity_tokens=512).kv_capacity_tokens == 512

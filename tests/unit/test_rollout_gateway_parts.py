@@ -12,7 +12,7 @@ from services.rollout.call_cache import CallCache
 from services.rollout.engine import TokenEvent
 from services.rollout.host import RequestChannel
 from services.rollout.router import DEAD, DRAINING, READY, Router
-from services.rollout.tito import TitoForwarder
+from services.rollout.tito import TitoForwarder, record_bytes
 from services.common.weights import WeightAssembler, chunk_state_dict
 from services.trajectory.records import TitoCall
 
@@ -139,9 +139,9 @@ def test_weight_assembler_rejects_inconsistent_chunks() -> None:
 
 
 # -- TITO forwarding ----------------------------------------------------------------------------
-def call(i: int) -> TitoCall:
+def call(i: int, prompt_tokens: int = 2) -> TitoCall:
     return TitoCall(execution_id="ex", call_id=f"c{i}", agent_id="a", role="main", output_ids=np.array([1]),
-                    output_logprobs=np.array([-0.5]), weight_version=0, prompt_ids=np.array([1, 2]))
+                    output_logprobs=np.array([-0.5]), weight_version=0, prompt_ids=np.arange(prompt_tokens) % 7)
 
 
 def test_forwarder_retries_until_delivered_and_drops_when_full() -> None:
@@ -154,7 +154,7 @@ def test_forwarder_retries_until_delivered_and_drops_when_full() -> None:
             raise ConnectionError("trajectory restarting")
         delivered.extend(c.call_id for c in batch)
 
-    fwd = TitoForwarder(sink, max_queue=3, batch_size=2, backoff_s=0.01)
+    fwd = TitoForwarder(sink, max_queue_bytes=3 * record_bytes(call(0)), batch_size=2, backoff_s=0.01)
     accepted = [fwd.submit(call(i)) for i in range(6)]  # not started yet: the bounded queue overflows
     assert accepted == [True] * 3 + [False] * 3
     fwd.start()
@@ -162,6 +162,22 @@ def test_forwarder_retries_until_delivered_and_drops_when_full() -> None:
     fwd.stop()
     assert sorted(delivered) == sorted(f"c{i}" for i, ok in enumerate(accepted) if ok)
     assert not fwd.submit(call(99))
+
+
+def test_forwarder_queue_is_bounded_by_bytes_not_records() -> None:
+    delivered: list[str] = []
+    small, big = call(0), call(1, prompt_tokens=100_000)  # a long context's call: ~400 KB of prompt ids
+    assert record_bytes(big) > 100 * record_bytes(small)
+    fwd = TitoForwarder(lambda batch: delivered.extend(c.call_id for c in batch),
+                        max_queue_bytes=record_bytes(big) // 2, batch_size=4)
+    assert fwd.submit(small) and fwd.submit(call(2))  # many short records fit the budget
+    assert not fwd.submit(big)  # this one does not fit beside them
+    fwd.start()
+    assert fwd.flush(timeout_s=10)
+    assert fwd.submit(big)  # nothing queued: a record over the whole budget still goes, alone
+    assert fwd.flush(timeout_s=10)
+    fwd.stop()
+    assert delivered == ["c0", "c2", "c1"]
 
 
 # -- request channels ---------------------------------------------------------------------------
