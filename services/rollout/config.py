@@ -27,7 +27,11 @@ class EngineConfig(ServerConfig):
     dtype: str = setting("auto", "Weights dtype: auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16.")
     max_batch_size: int = setting(64, "Requests decoded together in one engine step.")
     max_context_tokens: int = setting(0, "Longest prompt + output, tokens; 0 = the model's own limit.")
-    kv_capacity_tokens: int = setting(0, "KV cache budget, tokens; 0 = max_batch_size x max context.")
+    kv_capacity_tokens: int = setting(0, "KV budget of running requests, tokens (at least one full context); "
+                                         "0 = 64K tokens, or one full context when that is longer.")
+    prefix_cache_mb: int = setting(-1, "KV of finished calls kept for the next call that starts with them, MiB "
+                                       "(at least one full context's KV); 0 turns prefix reuse off; -1 = 512 MiB "
+                                       "or one full context's KV, whichever is more.")
     prefill_chunk_tokens: int = setting(4096, "Prompt tokens prefilled per engine step and request.")
     weight_policy: str = setting("recompute", "On a weight update: 'recompute' in-flight KV under the new "
                                               "version, or 'finish_on_old' (update waits for them).")
@@ -60,6 +64,7 @@ class EngineConfig(ServerConfig):
         check(self.max_context_tokens == 0 or self.max_context_tokens >= 2, "max_context_tokens",
               self.max_context_tokens, "0 or at least 2")
         check(self.kv_capacity_tokens >= 0, "kv_capacity_tokens", self.kv_capacity_tokens, ">= 0")
+        check(self.prefix_cache_mb >= -1, "prefix_cache_mb", self.prefix_cache_mb, "MiB >= 0, or -1 (automatic)")
         check(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens", self.prefill_chunk_tokens, "at least 1")
         check(self.weight_policy in ("recompute", "finish_on_old"), "weight_policy", self.weight_policy,
               "'recompute' or 'finish_on_old'")

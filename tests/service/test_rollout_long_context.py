@@ -20,7 +20,7 @@ from services.rollout.calls import CallMeta
 from services.rollout.engine import SamplingParams
 from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
 from services.rollout.torch_engine import build_tiny_model
-from tests.support.rollout_cluster import LocalGateway, start_engine, start_gateway
+from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
 from tests.support.rollout_tokenizer import make_chatml_tokenizer
 
 torch.set_num_threads(1)
@@ -28,7 +28,7 @@ POSITIONS = 65_536
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServer, LocalGateway]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServer, LocalGateway, LocalEngine]]:
     tok = AutoTokenizer.from_pretrained(str(make_chatml_tokenizer(tmp_path_factory.mktemp("tok"))))
     engine = start_engine("cell-long", model=build_tiny_model(max_position_embeddings=POSITIONS),
                           max_context=POSITIONS)
@@ -36,14 +36,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServ
     gw.client().register_engine("cell-long", engine.address)
     server = OpenAIServer(OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-long", job_id="job-l"),
                           max_body_bytes=4 << 20).start()
-    yield server, gw
+    yield server, gw, engine
     server.stop()
     gw.stop()
     engine.stop()
 
 
-def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[OpenAIServer, LocalGateway]) -> None:
-    server, gw = stack
+def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[OpenAIServer, LocalGateway, LocalEngine]) -> None:
+    server, gw, engine = stack
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     rng = np.random.default_rng(0)
     context: list[int] = []
@@ -55,10 +55,15 @@ def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[OpenAIServer,
         assert out.usage.completion_tokens == 4
     records = [r for r in gw.records if r.execution_id == "ex-long"]
     assert len(records) == 3 and len(records[-1].prompt_ids) == len(context) > 32_768
+    # calls 2 and 3 found their context's first 2K and 16K tokens in the engine's prefix cache
+    stats = engine.host.engine.prefix_stats()
+    assert stats["reused_tokens"] >= 2_000 + 16_000
+    assert stats["prefilled_tokens"] <= stats["prompt_tokens"] - 18_000
 
 
-def test_a_prompt_beyond_the_positions_is_refused_naming_the_limit(stack: tuple[OpenAIServer, LocalGateway]) -> None:
-    server, gw = stack
+def test_a_prompt_beyond_the_positions_is_refused_naming_the_limit(
+        stack: tuple[OpenAIServer, LocalGateway, LocalEngine]) -> None:
+    server, gw, _ = stack
     too_long = [7] * (POSITIONS + 10)
     request = urllib.request.Request(f"{server.base_url}/completions", method="POST",
                                      data=json.dumps({"prompt": too_long, "max_tokens": 2}).encode(),
