@@ -133,12 +133,18 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
         view = JobView(job.job_id)
         state = _watch(run, scheduler, view, t0, echo, failed=supervisor.failed)
         migrations = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_migrations_total", "transport")
+        prompt = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_job_prompt_tokens_total", "kind",
+                         where={"job_id": job.job_id})
+        reuse = (f"{prompt.get('cached', 0):,.0f} of {prompt.get('prompt', 0):,.0f} prompt tokens "
+                 f"({prompt.get('cached', 0) / max(prompt.get('prompt', 0), 1):.1%}) came from engines' prefix caches")
+        echo(f"prefix reuse: {reuse}")
         from services.trainer.client import TrainerClient
         from services.trajectory.client import TrajectoryClient
 
         with TrainerClient(up["trainer"].address) as trainer, TrajectoryClient(up["trajectory"].address) as traj:
             meta = {"hardware": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch CPU",
                     "migrations (by transport)": json.dumps(migrations),
+                    "prefix reuse": reuse,
                     "stack": json.dumps(dataclasses.asdict(run))}
             report = write_job_report(view, run.report_dir, scheduler=scheduler, trainer=trainer, trajectory=traj,
                                       meta=meta)
@@ -192,8 +198,9 @@ def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Calla
     return view.state
 
 
-def _scrape(port: int | None, metric: str, label: str) -> dict[str, float]:
-    """One labelled counter from a service's Prometheus endpoint: {label value: count}."""
+def _scrape(port: int | None, metric: str, label: str, *, where: dict[str, str] | None = None) -> dict[str, float]:
+    """One labelled counter from a service's Prometheus endpoint: {label value: count}, over the
+    samples whose other labels match ``where``."""
     if not port:
         return {}
     import urllib.request
@@ -207,7 +214,7 @@ def _scrape(port: int | None, metric: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == metric:
+            if sample.name == metric and all(sample.labels.get(k) == v for k, v in (where or {}).items()):
                 out[sample.labels.get(label, "")] = sample.value
     return out
 

@@ -123,8 +123,15 @@ def from_chat(resp: dict[str, Any], model: str) -> dict[str, Any]:
     return {"id": "msg_" + resp["id"].split("-", 1)[-1], "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": STOP.get(choice.get("finish_reason") or "stop", "end_turn"),
             "stop_sequence": None,
-            "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
-            "gyre": resp.get("gyre")}
+            "usage": _usage(usage), "gyre": resp.get("gyre")}
+
+
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """Messages usage: as the Messages API counts, ``input_tokens`` leaves out the prompt tokens read
+    from the (engine's prefix) cache, which ``cache_read_input_tokens`` gives."""
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    out = {"input_tokens": usage.get("prompt_tokens", 0) - cached, "output_tokens": usage.get("completion_tokens", 0)}
+    return {**out, "cache_read_input_tokens": cached} if cached else out
 
 
 def stream_from_chat(chunks: Iterator[bytes], model: str) -> Iterator[bytes]:

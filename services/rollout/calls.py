@@ -60,6 +60,7 @@ class Piece:
     # int32[k, K] / float32[k, K]: each token position's K most likely ids (top_logprobs > 0)
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs), "one logprob per token"
@@ -119,3 +120,4 @@ class CallResult:
     num_migrations: int = 0
     num_reprefills: int = 0
     cell_id: str = ""
+    cached_tokens: int = 0  # prompt tokens the (first) engine did not prefill: prefix cache hits

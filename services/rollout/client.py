@@ -131,7 +131,8 @@ def result_from_proto(r: rollout_pb2.GenerateResponse) -> CallResult:
     return CallResult(request_id=r.request_id, output_ids=wire.ids(r.output_ids),
                       output_logprobs=wire.floats(r.output_logprobs), finish_reason=r.finish_reason,
                       weight_version=r.weight_version, seed=r.seed, prompt_len=r.prompt_len,
-                      num_migrations=r.num_migrations, num_reprefills=r.num_reprefills, cell_id=r.cell_id)
+                      num_migrations=r.num_migrations, num_reprefills=r.num_reprefills, cell_id=r.cell_id,
+                      cached_tokens=r.cached_prompt_tokens)
 
 
 def collect(pieces: Iterable[Piece]) -> tuple[np.ndarray, np.ndarray, Piece]:

@@ -112,6 +112,8 @@ class TokenEvent:
     # (int32[k, K], float32[k, K]; the same distribution the token's own logprob is from).
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # Context tokens whose KV came from the engine's prefix cache (not prefilled) for this request.
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -48,6 +48,10 @@ CALLS = Counter("gyre_rollout_gateway_calls_total", "Calls finished, by finish r
                 ["outcome"], registry=REGISTRY)
 TOKENS = Counter("gyre_rollout_gateway_tokens_total", "Prompt and output tokens of finished calls.",
                  ["kind"], registry=REGISTRY)
+JOB_PROMPT_TOKENS = Counter("gyre_rollout_gateway_job_prompt_tokens_total",
+                            "Prompt tokens of finished calls per job: all (kind=prompt), and those an engine took "
+                            "from its prefix cache instead of prefilling (kind=cached).", ["job_id", "kind"],
+                            registry=REGISTRY)
 MIGRATIONS = Counter("gyre_rollout_gateway_migrations_total",
                      "Requests moved between engines, by transport used.", ["transport"], registry=REGISTRY)
 FALLBACKS = Counter("gyre_rollout_gateway_fallbacks_total",
@@ -103,6 +107,7 @@ class GatewayCall:
     finish_reason: str = ""
     num_migrations: int = 0
     num_reprefills: int = 0
+    cached_tokens: int = 0  # prompt tokens an engine took from its prefix cache (the most, over re-prefills)
     moves: list[MigrationReport] = field(default_factory=list)
     started_s: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -143,7 +148,7 @@ class GatewayCall:
         ids, lps = self.output()
         return CallResult(self.request_id, ids, lps, self.finish_reason, max(self.weight_version, 0),
                           self.seed, len(self.prompt_ids), self.num_migrations, self.num_reprefills,
-                          self.cell_id)
+                          self.cell_id, self.cached_tokens)
 
 
 class Gateway:
@@ -334,6 +339,7 @@ class Gateway:
                 version = piece.weight_version
                 call.weight_version = version if call.weight_version < 0 else min(call.weight_version, version)
             call.seed = piece.seed or call.seed
+            call.cached_tokens = max(call.cached_tokens, piece.cached_tokens)
             offset = call.generated
             call.generated += len(fresh_ids)
             if piece.finished:
@@ -409,6 +415,8 @@ class Gateway:
         LATENCY.observe(time.perf_counter() - call.started_s)
         TOKENS.labels("prompt").inc(len(call.prompt_ids))
         TOKENS.labels("output").inc(len(ids))
+        JOB_PROMPT_TOKENS.labels(call.meta.job_id, "prompt").inc(len(call.prompt_ids))
+        JOB_PROMPT_TOKENS.labels(call.meta.job_id, "cached").inc(call.cached_tokens)
         self.calls.put(call.meta.execution_id, call.meta.call_id, np.concatenate([call.prompt_ids, ids]))
         if self.on_record is not None and call.meta.execution_id:
             m = call.meta

@@ -142,7 +142,8 @@ class RequestChannel:
                     finished=last.finished, finish_reason=last.finish_reason or "",
                     weight_version=last.weight_version, seed=last.seed or self.seed,
                     top_ids=np.concatenate(tops) if has_tops else None,  # type: ignore[arg-type]
-                    top_logprobs=np.concatenate([e.top_logprobs for e in run]) if has_tops else None)  # type: ignore[misc]
+                    top_logprobs=np.concatenate([e.top_logprobs for e in run]) if has_tops else None,  # type: ignore[misc]
+                    cached_tokens=max(e.cached_tokens for e in run))
 
 
 class EngineHost:

@@ -271,7 +271,8 @@ class OpenAIEndpoint:
             merged["choices"].append({**r["choices"][0], "index": i, "gyre": r["gyre"]})
         done = sum(int(r["usage"]["completion_tokens"]) for r in results if r)
         prompt = int(merged["usage"]["prompt_tokens"])
-        merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                           "prompt_tokens_details": merged["usage"].get("prompt_tokens_details")}
         return merged, None
 
     def _run_one(self, kind: str, body: dict[str, Any], meta: CallMeta, params: SamplingParams,
@@ -301,7 +302,8 @@ class OpenAIEndpoint:
             return text, gyre, _finish_reason(call.finish_reason)
 
         usage = lambda: {"prompt_tokens": len(call.prompt_ids), "completion_tokens": call.generated,  # noqa: E731
-                         "total_tokens": len(call.prompt_ids) + call.generated}
+                         "total_tokens": len(call.prompt_ids) + call.generated,
+                         "prompt_tokens_details": {"cached_tokens": call.cached_tokens}}
         if not body.get("stream"):
             for _ in pieces:
                 pass

@@ -39,7 +39,8 @@ def _response(r: CallResult) -> rollout_pb2.GenerateResponse:
     return rollout_pb2.GenerateResponse(
         request_id=r.request_id, output_ids=r.output_ids.tolist(), output_logprobs=r.output_logprobs.tolist(),
         finish_reason=r.finish_reason, weight_version=r.weight_version, seed=r.seed, prompt_len=r.prompt_len,
-        num_migrations=r.num_migrations, num_reprefills=r.num_reprefills, cell_id=r.cell_id)
+        num_migrations=r.num_migrations, num_reprefills=r.num_reprefills, cell_id=r.cell_id,
+        cached_prompt_tokens=r.cached_tokens)
 
 
 class _RemoteTarget:
@@ -95,13 +96,13 @@ class EngineServicer(rollout_pb2_grpc.EngineServicer):
         req = _gen_request(request)
         channel = self.host.submit(req)
         context.add_callback(lambda: self.host.release(channel))
-        ids, lps, last = [], [], None
+        ids, lps, last, cached = [], [], None, 0
         pieces: Any = channel.pieces()
         while True:
             for piece in pieces:
                 ids.append(piece.token_ids)
                 lps.append(piece.logprobs)
-                last = piece
+                last, cached = piece, max(cached, piece.cached_tokens)
             assert last is not None
             if not last.migrated_to:
                 break
@@ -110,7 +111,7 @@ class EngineServicer(rollout_pb2_grpc.EngineServicer):
         out = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
         return _response(CallResult(req.request_id, out, np.concatenate(lps).astype(np.float32),
                                     last.finish_reason, last.weight_version, last.seed, len(req.prompt_ids),
-                                    cell_id=self.host.cell_id))
+                                    cell_id=self.host.cell_id, cached_tokens=cached))
 
     def Cancel(self, request: rollout_pb2.CancelRequest, context: grpc.ServicerContext) -> Any:
         return rollout_pb2.CancelResponse(found=self.host.cancel(request.request_id))

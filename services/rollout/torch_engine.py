@@ -138,6 +138,7 @@ class _Req:
     prefill_done: int = 0
     pending_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # import with KV
     finish_reason: str | None = None
+    cached: int = 0  # context tokens whose KV came from the prefix cache
 
     @property
     def prompt_len(self) -> int:
@@ -614,7 +615,7 @@ class TorchEngine(InferenceEngine):
         ids = r.context_ids()
         if r.prefill_cache is None:
             r.prefill_cache = DynamicCache(config=self.config)
-            r.prefill_done = self._reuse_prefix(r.prefill_cache, ids)
+            r.prefill_done = r.cached = self._reuse_prefix(r.prefill_cache, ids)
             r.kv_version = self.weight_version
         start = r.prefill_done
         end = min(len(ids), start + max(budget, 1))
@@ -799,6 +800,7 @@ class TorchEngine(InferenceEngine):
             seed=r.seed,
             top_ids=None if r.out_top_ids is None else r.out_top_ids[lo:hi].copy(),
             top_logprobs=None if r.out_top_lp is None else r.out_top_lp[lo:hi].copy(),
+            cached_tokens=r.cached,
         )
         try:
             r.on_event(event)

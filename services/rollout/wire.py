@@ -75,7 +75,7 @@ def piece_to_proto(p: Piece) -> rollout_pb2.GenerateChunk:
     c = rollout_pb2.GenerateChunk(request_id=p.request_id, token_ids=p.token_ids.tolist(),
                                   logprobs=p.logprobs.tolist(), offset=p.offset, finished=p.finished,
                                   finish_reason=p.finish_reason, weight_version=p.weight_version,
-                                  migrated_to=p.migrated_to, seed=p.seed)
+                                  migrated_to=p.migrated_to, seed=p.seed, cached_prompt_tokens=p.cached_tokens)
     if p.top_ids is not None and p.top_logprobs is not None and p.top_ids.size:
         c.top_k = int(p.top_ids.shape[1])
         c.top_ids.extend(p.top_ids.reshape(-1).tolist())
@@ -92,7 +92,7 @@ def piece_from_proto(c: rollout_pb2.GenerateChunk) -> Piece:
     return Piece(request_id=c.request_id, token_ids=ids(c.token_ids), logprobs=floats(c.logprobs),
                  offset=c.offset, finished=c.finished, finish_reason=c.finish_reason,
                  weight_version=c.weight_version, seed=c.seed, migrated_to=c.migrated_to,
-                 top_ids=tops[0], top_logprobs=tops[1])
+                 top_ids=tops[0], top_logprobs=tops[1], cached_tokens=c.cached_prompt_tokens)
 
 
 # -- migration ----------------------------------------------------------------------------------

@@ -47,12 +47,17 @@ def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[OpenAIServer,
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     rng = np.random.default_rng(0)
     context: list[int] = []
+    cached = []
     for turn, new in enumerate((2_000, 14_000, 24_000)):  # 2K -> 16K -> 40K tokens of context
         context += rng.integers(1, 500, new).tolist()
         out = client.completions.create(model="gyre-long", prompt=context, max_tokens=4, temperature=0.0,
                                         extra_headers={"x-gyre-execution-id": "ex-long", "x-gyre-agent-id": "main"})
         assert out.usage is not None and out.usage.prompt_tokens == len(context)
         assert out.usage.completion_tokens == 4
+        assert out.usage.prompt_tokens_details is not None
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    # as OpenAI reports it: the prompt tokens served from the engine's prefix cache
+    assert cached[0] == 0 and cached[1] >= 2_000 and cached[2] >= 16_000
     records = [r for r in gw.records if r.execution_id == "ex-long"]
     assert len(records) == 3 and len(records[-1].prompt_ids) == len(context) > 32_768
     # calls 2 and 3 found their context's first 2K and 16K tokens in the engine's prefix cache

@@ -138,3 +138,35 @@ def test_drain_by_reprefill_sends_no_kv_and_keeps_the_tokens(
     assert report.ok and report.transport == "reprefill" and res.num_migrations == 1
     # Only the request header, tokens and RNG state travel: far less than any KV.
     assert report.bytes < 4 * (len(PROMPT) + LONG) * 2 + 64
+
+
+def test_a_migrated_call_leaves_its_kv_as_the_receivers_cached_prefix(
+        cluster: tuple[LocalGateway, dict[str, LocalEngine], str]) -> None:
+    gw, engines, kind = cluster
+    client = register_all(gw, engines)
+    prompt = np.random.default_rng(7).integers(0, 512, 200).astype(np.int32)  # no other test's context
+    meta = dict(execution_id=f"prefix-{kind}", agent_id="agent-m")
+    stream = client.generate_stream(CallMeta(call_id="c1", **meta), prompt,
+                                    SamplingParams(temperature=0.0, max_new_tokens=LONG))
+    pieces, reports = [], []
+    drainer: threading.Thread | None = None
+    for piece in stream:
+        pieces.append(piece)
+        if drainer is None and sum(len(p.token_ids) for p in pieces) >= 16:
+            cell = busy_cell(client)
+            drainer = threading.Thread(target=lambda: reports.extend(client.drain_engine(cell, kind)))
+            drainer.start()
+    assert drainer is not None
+    drainer.join(timeout=60)
+    out, _lps, last = collect(pieces)
+    (report,) = reports
+    assert report.ok and last.finished
+    target = report.target_cell_id
+    register_all(gw, engines)  # the drained engine is back: the agent's next call could go either way
+    before = engines[target].host.engine.prefix_stats()["reused_tokens"]
+    follow_up = np.concatenate([prompt, out, np.arange(1, 40, dtype=np.int32)])
+    res = client.generate(CallMeta(call_id="c2", **meta), follow_up, SamplingParams(temperature=0.0, max_new_tokens=4))
+    # the call went where the agent's context now lives, and found it there: only the tail was prefilled
+    assert res.cell_id == target
+    reused = engines[target].host.engine.prefix_stats()["reused_tokens"] - before
+    assert reused == len(prompt) + len(out) - 1

@@ -49,6 +49,9 @@ def test_replies_and_streams_come_back_as_messages() -> None:
                               {"type": "tool_use", "id": "call_1", "name": "f", "input": {"a": 2}},
                               {"type": "tool_use", "id": "call_2", "name": "g", "input": {"_unparsed_arguments": "{oops"}}]
     assert msg["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    # prompt tokens an engine took from its prefix cache count as the Messages API's cache reads
+    cached = from_chat({**resp, "usage": {**resp["usage"], "prompt_tokens_details": {"cached_tokens": 5}}}, "m")
+    assert cached["usage"] == {"input_tokens": 2, "output_tokens": 3, "cache_read_input_tokens": 5}
 
     def sse(obj: object) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
