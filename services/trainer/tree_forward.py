@@ -7,10 +7,13 @@ A micro-batch is a forest in DFS order: token j may attend to token i iff
 so every token sees exactly its root-to-token path, and the log-prob of each target equals the
 one a per-path causal forward would give, while shared prefixes are computed once.
 
-Two mask backends:
+Three mask backends:
 
 * ``sdpa``  - a dense bool mask (1, 1, N, N) for torch SDPA. O(N^2) memory: only for small N
   (``max_dense_tokens``, default 8192 -> 64 MiB of bools; tests and CPU runs).
+* ``blocks`` - block-sparse attention query block by query block over only the KV blocks it
+  touches (``tree_attention.py``), forward and backward, memory linear in tokens on any device:
+  what CPU batches above ``max_dense_tokens`` use.
 * ``flex``  - a flex_attention ``BlockMask`` built *directly* from the block structure of the
   tree in O((N/B)^2) (no N x N tensor is ever materialized), used through the attention function
   ``gyre_flex`` registered with transformers. On CUDA it runs the compiled block-sparse kernel
@@ -33,6 +36,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from services.trainer.batch import PackedBatchLike
+from services.trainer.tree_attention import ATTN_IMPLEMENTATION as BLOCKS_IMPLEMENTATION
+from services.trainer.tree_attention import register_block_attention, tree_blocks
 
 _REGISTERED = False
 _COMPILED_FLEX: Any = None
@@ -213,23 +218,26 @@ def head_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, target_ids: to
 class TreePolicy:
     """Runs a transformers causal LM on packed trees and returns per-target log-probs / entropies.
 
-    ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask) or "auto" (sdpa up to
-    ``max_dense_tokens``, flex above). The model must have been built with the matching
-    attn_implementation ("sdpa" or "gyre_flex"); "auto" switches it per batch.
+    ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask), "blocks" (block-sparse, any
+    device) or "auto" (sdpa up to ``max_dense_tokens``; above it flex on CUDA, blocks on CPU,
+    where flex has no backward). The model's attn_implementation is switched per batch.
     """
 
     def __init__(self, model: torch.nn.Module, *, attention: str = "auto", temperature: float = 1.0,
-                 max_dense_tokens: int = 8192, flex_block_size: int = 128, logits_chunk_tokens: int = 4096) -> None:
-        if attention not in ("auto", "sdpa", "flex"):
-            raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {attention!r}")
+                 max_dense_tokens: int = 8192, flex_block_size: int = 128, logits_chunk_tokens: int = 4096,
+                 sparse_block_tokens: int = 256) -> None:
+        if attention not in ("auto", "sdpa", "flex", "blocks"):
+            raise ValueError(f"attention must be 'auto', 'sdpa', 'flex' or 'blocks', got {attention!r}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         register_attention()
+        register_block_attention()
         self.model = model
         self.attention = attention
         self.temperature = temperature
         self.max_dense_tokens = max_dense_tokens
         self.flex_block_size = flex_block_size
+        self.sparse_block_tokens = sparse_block_tokens  # query/KV block of the "blocks" backend
         self.logits_chunk_tokens = logits_chunk_tokens
         self.decoder = model.get_decoder()  # type: ignore[operator]
         self.lm_head = model.get_output_embeddings()  # type: ignore[operator]
@@ -241,28 +249,31 @@ class TreePolicy:
     def backend_for(self, num_tokens: int) -> str:
         if self.attention != "auto":
             return self.attention
-        if num_tokens <= self.max_dense_tokens or self.device.type == "cpu":
-            # flex_attention has no backward on CPU (torch 2.13): on CPU the dense mask is the only
-            # trainable backend, and batches above max_dense_tokens get a clear error below
+        if num_tokens <= self.max_dense_tokens:
             return "sdpa"
-        return "flex"
+        # flex_attention has no backward on CPU (torch 2.13): there, the block-sparse backend
+        return "flex" if self.device.type == "cuda" else "blocks"
 
     def hidden_states(self, t: TreeTensors) -> torch.Tensor:
         """Last hidden states [N, H] of the packed forest under the tree mask."""
         backend = self.backend_for(t.num_tokens)
+        extra: dict[str, Any] = {}
         if backend == "sdpa":
             if t.num_tokens > self.max_dense_tokens:
                 raise ValueError(f"{t.num_tokens} tokens exceed max_dense_tokens={self.max_dense_tokens} for the "
-                                 f"dense SDPA tree mask; use attention='flex'")
+                                 f"dense SDPA tree mask; use attention='blocks' or 'flex'")
             mask: Any = tree_mask_dense(t.subtree_end)
             impl = "sdpa"
+        elif backend == "blocks":
+            mask, impl = None, BLOCKS_IMPLEMENTATION
+            extra["gyre_tree_blocks"] = tree_blocks(t.subtree_end, block_size=self.sparse_block_tokens)
         else:
             mask = tree_block_mask(t.subtree_end, block_size=self.flex_block_size)
             impl = "gyre_flex"
         if self.model.config._attn_implementation != impl:  # type: ignore[union-attr]
             self.model.set_attn_implementation(impl)  # type: ignore[operator]
         out = self.decoder(input_ids=t.input_ids[None], position_ids=t.position_ids[None],
-                           attention_mask=mask, use_cache=False)
+                           attention_mask=mask, use_cache=False, **extra)
         return out.last_hidden_state[0]
 
     def target_logprobs(self, t: TreeTensors) -> tuple[torch.Tensor, torch.Tensor]:

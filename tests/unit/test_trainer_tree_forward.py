@@ -184,3 +184,65 @@ def test_temperature_scales_logits(model: torch.nn.Module) -> None:
         lp, _ = head_logprobs(head, h, ids, temperature=0.5)
         want = torch.log_softmax(head(h) / 0.5, dim=-1).gather(-1, ids[:, None])[:, 0]
     torch.testing.assert_close(lp, want)
+
+
+# --- block-sparse tree attention (any device, forward and backward) ------------------------------
+@pytest.mark.parametrize("n,block,pop", [(200, 16, 0.3), (1000, 128, 0.3), (3000, 256, 0.05), (2048, 256, 0.0),
+                                         (8192, 512, 0.02)])
+def test_block_sparse_attention_equals_dense_with_gradients(n: int, block: int, pop: float) -> None:
+    from services.trainer.tree_attention import tree_block_attention, tree_blocks
+
+    end = _random_forest_end(np.random.default_rng(n), n, pop)  # pop 0: one path, the causal triangle
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    w = torch.randn(1, 4, n, 16, generator=g)
+    blocks = tree_blocks(end, block_size=block)
+    out = tree_block_attention(q, k, v, blocks, 0.25)
+    (out * w).sum().backward()
+    grads = [x.grad for x in (q, k, v)]
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=tree_mask_dense(end), scale=0.25,
+                                                           enable_gqa=True)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if pop == 0.0:  # a single path computes its causal triangle in blocks, not the square
+        assert blocks.visited_fraction() < 0.5 + block / n
+
+
+def test_block_sparse_skips_what_no_query_sees() -> None:
+    from services.trainer.tree_attention import tree_blocks
+
+    n = 65_536
+    end = _random_forest_end(np.random.default_rng(0), n, pop=0.9)  # many small trees
+    blocks = tree_blocks(end, block_size=256)
+    assert len(blocks.runs) == n // 256 and blocks.visited_fraction() < 0.02
+
+
+def test_policy_blocks_backend_equals_sdpa_in_loss_and_gradients(model: torch.nn.Module,
+                                                                 step: SyntheticStep) -> None:
+    t = TreeTensors.from_batch(step.batches[0])
+    results = []
+    for attention in ("sdpa", "blocks"):
+        model.zero_grad(set_to_none=True)
+        lp, ent = TreePolicy(model, attention=attention, sparse_block_tokens=32).target_logprobs(t)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (lp_d, g_d), (lp_b, g_b) = results
+    torch.testing.assert_close(lp_b, lp_d, rtol=1e-5, atol=1e-5)
+    assert g_d.keys() == g_b.keys() and g_d
+    for name in g_d:
+        torch.testing.assert_close(g_b[name], g_d[name], rtol=1e-4, atol=1e-5, msg=name)
+    model.set_attn_implementation("sdpa")
+
+
+def test_auto_trains_past_the_dense_limit_on_cpu(model: torch.nn.Module, step: SyntheticStep) -> None:
+    t = TreeTensors.from_batch(step.batches[0])
+    policy = TreePolicy(model, attention="auto", max_dense_tokens=t.num_tokens - 1)
+    assert policy.backend_for(t.num_tokens) == "blocks"
+    lp, _ = policy.target_logprobs(t)
+    lp.sum().backward()
+    assert torch.isfinite(lp).all()
+    model.zero_grad(set_to_none=True)
+    model.set_attn_implementation("sdpa")
