@@ -66,7 +66,8 @@ class TrainerJob:
     """KL term reference: 'behaviour' (the rollout log-probs) or 'initial' (a frozen copy of the
     initial weights; costs one extra forward per micro-batch)."""
     attention: str = "auto"
-    """Tree mask backend: 'sdpa' (dense, small N), 'flex' (BlockMask) or 'auto'."""
+    """Tree mask backend: 'sdpa' (dense, small N), 'flex' (BlockMask), 'blocks' (block-sparse, memory
+    linear in tokens, any device) or 'auto' (sdpa up to max_dense_tokens, then flex on CUDA, blocks on CPU)."""
     dtype: str = "float32"
     """Compute dtype: 'float32', or 'bfloat16' (autocast forward; parameters, gradient sums, the
     all-reduce and the optimizer state stay fp32, so the update is as exact as fp32 allows)."""
@@ -83,7 +84,8 @@ class TrainerJob:
     resume: bool = True
     """Resume from the latest complete checkpoint in checkpoint_dir if there is one."""
     max_dense_tokens: int = 8192
-    """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto')."""
+    """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto'); larger ones go
+    block-sparse (CPU) or flex (CUDA), so this bounds the mask's memory, not the batch."""
 
     def __post_init__(self) -> None:
         if not self.job_id or "/" in self.job_id:
@@ -96,8 +98,8 @@ class TrainerJob:
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
         if self.kl_reference not in ("behaviour", "initial"):
             raise ValueError(f"kl_reference must be 'behaviour' or 'initial', got {self.kl_reference!r}")
-        if self.attention not in ("auto", "sdpa", "flex"):
-            raise ValueError(f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}")
+        if self.attention not in ("auto", "sdpa", "flex", "blocks"):
+            raise ValueError(f"attention must be 'auto', 'sdpa', 'flex' or 'blocks', got {self.attention!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device {self.device!r} is not a torch device ('cpu', 'cuda', 'cuda:1', 'mps')")
         if self.dtype not in DTYPES:
