@@ -16,6 +16,8 @@
     gyre run [--job FILE] [--config FILE] [...]   up + submit + watch + report + down (`gyre run --help`)
     gyre run --compare [...]                  the three modes on the same job
     gyre trajectory stats --records FILE.jsonl [--max-paths K]
+    gyre replay --records FILE.jsonl [--max-paths N] [--steps N]
+                                              train on recorded executions (trajectory + trainer, no engine)
     gyre bench scheduler --trace FILE.jsonl --cells N [...] [--json]
 
 Clients of a stack find its addresses in <data-dir>/run/state.json (`gyre up` writes it), or take
@@ -289,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.sim_cli import bench_main
 
         return bench_main(argv[2:])
+    if argv[:1] == ["replay"]:
+        from services.replay import replay_main
+
+        return replay_main(argv[1:])
     if argv[:1] == ["run"] and "--compare" in argv:
         from services.compare import compare_main
 
@@ -358,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop everything").set_defaults(fn=cmd_down)
     sub.add_parser("run", help="run the main job (see `gyre run --help`)")
     sub.add_parser("trajectory", help="`gyre trajectory stats --records FILE.jsonl [--max-paths K]`")
+    sub.add_parser("replay", help="train on recorded TITO executions, no engine "
+                                  "(`gyre replay --records FILE.jsonl [--max-paths N] [--steps N]`)")
     sub.add_parser("bench", help="`gyre bench scheduler --trace FILE.jsonl --cells N [--json]`")
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_extra", False):

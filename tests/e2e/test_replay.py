@@ -1,0 +1,63 @@
+"""`gyre replay --records` as a user runs it: recorded agent executions (growing main context,
+retry, sub-agent, compaction) train through real trajectory and trainer processes, no engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.records import write_records
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def replay(tmp_path: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GYRE_MODEL_CACHE": str(REPO / ".gyre" / "models")}
+    return subprocess.run([sys.executable, "-m", "services.cli", "replay", "--data-dir", str(tmp_path / "data"),
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def steps_of(proc: subprocess.CompletedProcess[str]) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_replay_trains_every_trainable_token_once_per_step(tmp_path: Path) -> None:
+    records = write_records(tmp_path / "agents.jsonl", executions=4, turns=4)
+    steps = steps_of(replay(tmp_path, "--records", str(records), "--steps", "2"))
+    assert [s["step"] for s in steps] == [0, 1]
+    for s in steps:
+        assert s["executions"] == 4 and s["trainable_tokens"] == s["trained_tokens"] == 4 * 8 * 8
+        assert math.isfinite(s["loss"]) and s["packed_tokens"] > s["trainable_tokens"]
+        assert set(s["peak_rss_mib"]) == {"trajectory", "trainer"} and all(s["peak_rss_mib"].values())
+    # one path per branch kept: fewer paths, fewer trained tokens, still every kept one once
+    (kept,) = steps_of(replay(tmp_path, "--records", str(records), "--max-paths", "1"))
+    assert 0 < kept["trained_tokens"] == kept["trainable_tokens"] < steps[0]["trainable_tokens"]
+
+
+def test_replay_trains_a_path_deeper_than_the_dense_mask_limit(tmp_path: Path) -> None:
+    # one execution whose main context grows past 9K tokens: a micro-batch above 8,192 tokens,
+    # which the trainer refused before block-sparse attention
+    records = write_records(tmp_path / "deep.jsonl", executions=1, turns=15, tool_tokens=600, output_tokens=16)
+    (step,) = steps_of(replay(tmp_path, "--records", str(records), "--token-budget", "32768"))
+    assert step["packed_tokens"] > 8192 and step["trained_tokens"] == step["trainable_tokens"] > 0
+    assert math.isfinite(step["loss"])
+
+
+def test_a_bad_record_is_one_sentence_naming_its_line_and_starts_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"execution_id": "a", "prompt_ids": [1, 2], "output_ids": [3], "reward": 1}\n'
+                   '{"execution_id": "a", "call_id": "c", "prompt_ids": [1], "output_ids": [2, 3], '
+                   '"output_logprobs": [-1]}\n')
+    proc = replay(tmp_path, "--records", str(bad))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "line 2" in proc.stderr and "equally long" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "data").exists()  # nothing was started
+    unscored = tmp_path / "unscored.jsonl"
+    unscored.write_text('{"execution_id": "a", "prompt_ids": [1, 2], "output_ids": [3]}\n')
+    proc = replay(tmp_path, "--records", str(unscored))
+    assert proc.returncode == 2 and "has no reward" in proc.stderr
