@@ -67,7 +67,7 @@ class TrainerJob:
     initial weights; costs one extra forward per micro-batch)."""
     attention: str = "auto"
     """Tree mask backend: 'sdpa' (dense, small N), 'flex' (BlockMask), 'blocks' (block-sparse, memory
-    linear in tokens, any device) or 'auto' (sdpa up to max_dense_tokens, then flex on CUDA, blocks on CPU)."""
+    linear in tokens, any device) or 'auto' (CPU: blocks; CUDA: sdpa up to max_dense_tokens, then flex)."""
     dtype: str = "float32"
     """Compute dtype: 'float32', or 'bfloat16' (autocast forward; parameters, gradient sums, the
     all-reduce and the optimizer state stay fp32, so the update is as exact as fp32 allows)."""
@@ -84,8 +84,8 @@ class TrainerJob:
     resume: bool = True
     """Resume from the latest complete checkpoint in checkpoint_dir if there is one."""
     max_dense_tokens: int = 8192
-    """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto'); larger ones go
-    block-sparse (CPU) or flex (CUDA), so this bounds the mask's memory, not the batch."""
+    """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto' on CUDA; larger ones
+    go flex); this bounds the mask's memory, not the batch."""
 
     def __post_init__(self) -> None:
         if not self.job_id or "/" in self.job_id:

@@ -219,8 +219,8 @@ class TreePolicy:
     """Runs a transformers causal LM on packed trees and returns per-target log-probs / entropies.
 
     ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask), "blocks" (block-sparse, any
-    device) or "auto" (sdpa up to ``max_dense_tokens``; above it flex on CUDA, blocks on CPU,
-    where flex has no backward). The model's attn_implementation is switched per batch.
+    device) or "auto" (CUDA: sdpa up to ``max_dense_tokens``, flex above; CPU: blocks, but for
+    batches of at most two blocks). The model's attn_implementation is switched per batch.
     """
 
     def __init__(self, model: torch.nn.Module, *, attention: str = "auto", temperature: float = 1.0,
@@ -249,10 +249,12 @@ class TreePolicy:
     def backend_for(self, num_tokens: int) -> str:
         if self.attention != "auto":
             return self.attention
-        if num_tokens <= self.max_dense_tokens:
-            return "sdpa"
-        # flex_attention has no backward on CPU (torch 2.13): there, the block-sparse backend
-        return "flex" if self.device.type == "cuda" else "blocks"
+        if self.device.type == "cuda":
+            return "sdpa" if num_tokens <= self.max_dense_tokens else "flex"
+        # CPU: the block-sparse backend skips what no query sees (5-6x the dense mask's tokens/s on
+        # 8K tokens of packed small trees, bench/results/long_train.md) and has a backward, which
+        # flex lacks here; a batch of one or two blocks gains nothing from it
+        return "sdpa" if num_tokens <= 2 * self.sparse_block_tokens else "blocks"
 
     def hidden_states(self, t: TreeTensors) -> torch.Tensor:
         """Last hidden states [N, H] of the packed forest under the tree mask."""

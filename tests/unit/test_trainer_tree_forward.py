@@ -239,8 +239,8 @@ def test_policy_blocks_backend_equals_sdpa_in_loss_and_gradients(model: torch.nn
 
 def test_auto_trains_past_the_dense_limit_on_cpu(model: torch.nn.Module, step: SyntheticStep) -> None:
     t = TreeTensors.from_batch(step.batches[0])
-    policy = TreePolicy(model, attention="auto", max_dense_tokens=t.num_tokens - 1)
-    assert policy.backend_for(t.num_tokens) == "blocks"
+    policy = TreePolicy(model, attention="auto", max_dense_tokens=t.num_tokens - 1, sparse_block_tokens=32)
+    assert policy.backend_for(t.num_tokens) == "blocks" and policy.backend_for(64) == "sdpa"
     lp, _ = policy.target_logprobs(t)
     lp.sum().backward()
     assert torch.isfinite(lp).all()
