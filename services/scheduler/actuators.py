@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from services.common.logging import get_logger
@@ -69,7 +69,8 @@ class ServicesActuator:
         self.timeout_s = timeout_s
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
-               migrate_to: Sequence[CellRecord]) -> dict[str, str]:
+               migrate_to: Sequence[CellRecord],
+               on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> dict[str, str]:
         """Carry the switch out; returns event attributes: the drain's migrations, and ``phases``
         (JSON seconds per phase: drain, release, agent, replica_join, engine_resume)."""
         info: dict[str, str] = {}
@@ -84,6 +85,8 @@ class ServicesActuator:
 
         if from_role is Role.ROLLOUT:
             info = _drain(self.gateway, cell)  # its requests migrate (KV over UCX) before it leaves
+            if info and on_migrated is not None:
+                on_migrated(info)
             lap("drain")
         elif from_role is Role.TRAIN:
             # a hosted replica is only released here: its agent stops it below (and waits for it)
@@ -130,11 +133,14 @@ class AgentActuator:
         self.timeout_s = timeout_s
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
-               migrate_to: Sequence[CellRecord]) -> dict[str, str]:
+               migrate_to: Sequence[CellRecord],
+               on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> dict[str, str]:
         info: dict[str, str] = {}
         if from_role is Role.ROLLOUT:
             if self.gateway is not None:
                 info = _drain(self.gateway, cell)
+                if info and on_migrated is not None:
+                    on_migrated(info)
             elif cell.inflight > 0 and job.running > 0:  # a stale count once the job runs nothing
                 raise FailedPrecondition(f"{cell.cell_id} hosts {cell.inflight} executions and no gateway is "
                                          f"configured to migrate them; refusing to interrupt them")

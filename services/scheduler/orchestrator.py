@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -72,8 +72,11 @@ class CellActuator(Protocol):
     """
 
     def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
-               migrate_to: Sequence[CellRecord]) -> Mapping[str, str] | None:
-        """Returns event attributes of what it did (e.g. ``migrated``: requests moved), or None."""
+               migrate_to: Sequence[CellRecord],
+               on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> Mapping[str, str] | None:
+        """Returns event attributes of what it did (e.g. ``migrated``: requests moved), or None.
+        ``on_migrated(attrs)`` is called as soon as a drain moved requests, so the migration is on
+        record even when a later phase of the switch fails (the requests moved all the same)."""
 
 
 class TimeoutScorer(Protocol):
@@ -329,13 +332,20 @@ class Orchestrator:
     def _carry_out(self, cell: CellRecord, from_role: Role, to_role: Role, switch_id: str, job: JobStatus,
                    targets: Sequence[CellRecord]) -> None:
         bound = log.bind(job_id=job.job_id, cell_id=cell.cell_id, switch_id=switch_id)
+        recorded = False
+
+        def migrated(attrs: Mapping[str, str]) -> None:
+            nonlocal recorded
+            if attrs.get("migrated") and not recorded:
+                self.state.append_event(job.job_id, EventKind.MIGRATION.value,
+                                        {"cell_id": cell.cell_id, "switch_id": switch_id, **attrs})
+                recorded = True
+
         try:
             info = dict(self.actuator.switch(cell, from_role, to_role, switch_id=switch_id, job=job,
-                                             migrate_to=targets) or {})
+                                             migrate_to=targets, on_migrated=migrated) or {})
             phases = info.pop("phases", "")
-            if info and info.get("migrated"):
-                self.state.append_event(job.job_id, EventKind.MIGRATION.value,
-                                        {"cell_id": cell.cell_id, "switch_id": switch_id, **info})
+            migrated(info)  # an actuator that reports the drain only in its result
             if phases:
                 self.state.append_event(job.job_id, EventKind.SWITCH_PHASES.value,
                                         {"cell_id": cell.cell_id, "switch_id": switch_id, "from": from_role.value,

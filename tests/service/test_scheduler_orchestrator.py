@@ -9,11 +9,12 @@ AddReplica/ReleaseReplica), which needs the rollout and trainer services running
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
+from services.common.errors import Unavailable
 from services.common.metrics import REGISTRY
 from services.scheduler.actuators import AgentActuator
 from services.scheduler.client import CellAgentClient
@@ -146,6 +147,36 @@ def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None
     assert log["stale"].kind == "switch_rolled_back" and "no progress" in log["stale"].attrs["error"]
     assert log["gone"].kind == "switch_rolled_back" and "also failed" in log["gone"].attrs["error"]
     assert roles(s) == {"gone": Role.ROLLOUT, "stale": Role.ROLLOUT} and s.state.pending_switches() == []
+
+
+class _MigratesThenCannotJoin:
+    """The services actuator's course when the job ends mid-switch: the drain moved two requests
+    (reported through ``on_migrated``), then the trainer refused the replica."""
+
+    def switch(self, cell: object, from_role: Role, to_role: Role, *, switch_id: str, job: object,
+               migrate_to: object, on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> None:
+        if switch_id.endswith("-rollback"):
+            return None
+        assert on_migrated is not None
+        on_migrated({"migrated": "2", "targets": "c2", "transports": '{"ucx": 2}'})
+        raise Unavailable("the trainer job is stopping; no new replicas")
+
+
+def test_a_migration_is_on_record_even_when_its_switch_fails_later(sched: InProcess) -> None:
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC,
+                                 cell_ids=("c1", "c2")))
+    s.client.register_cell(cell_id="c1", address="127.0.0.1:1", role=Role.ROLLOUT)
+    s.state.begin_switch(cell_id="c1", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1")
+    orch = Orchestrator(s.state, _MigratesThenCannotJoin(), instance_id="t", switch_timeout_s=60,
+                        metrics_event_interval_s=3600)
+    orch.recover_switches()
+    assert orch.wait_switches(30)
+    events = list(s.client.watch("j1", follow=False))
+    moved = [e for e in events if e.kind == "migration"]
+    assert len(moved) == 1 and moved[0].attrs["migrated"] == "2" and moved[0].attrs["cell_id"] == "c1"
+    (ended,) = [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c1"]
+    assert ended.kind == "switch_rolled_back" and "no new replicas" in ended.attrs["error"]
 
 
 @pytest.mark.parametrize("agents", [("rollout", "3600")], indirect=True)
