@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.rollout.calls import CallMeta, MigrationReport
+from services.rollout.calls import CallMeta, MigrationReport, Piece
 from services.rollout.client import EngineClient, GatewayClient, collect
 from services.rollout.engine import SamplingParams
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
@@ -63,6 +63,25 @@ def busy_cell(client: GatewayClient, timeout_s: float = 10.0) -> str:
     raise AssertionError("no engine has the call in flight")
 
 
+def stream_and_drain(client: GatewayClient, meta: CallMeta, prompt: np.ndarray, params: SamplingParams,
+                     kind: str) -> tuple[list[Piece], list[MigrationReport], str]:
+    """Stream a call; once 16 tokens arrived, drain the engine it runs on. (pieces, drain reports,
+    the drained cell), after the stream ended."""
+    pieces: list[Piece] = []
+    reports: list[MigrationReport] = []
+    drainer: threading.Thread | None = None
+    cell = ""
+    for piece in client.generate_stream(meta, prompt, params):
+        pieces.append(piece)
+        if drainer is None and sum(len(p.token_ids) for p in pieces) >= 16:
+            cell = busy_cell(client)
+            drainer = threading.Thread(target=lambda: reports.extend(client.drain_engine(cell, kind)))
+            drainer.start()
+    assert drainer is not None
+    drainer.join(timeout=60)
+    return pieces, reports, cell
+
+
 def reference(engines: dict[str, LocalEngine], params: SamplingParams) -> np.ndarray:
     return EngineClient(engines["cell-a"].address).generate(f"ref-{time.monotonic_ns()}", CallMeta(),
                                                            PROMPT, params).output_ids
@@ -74,17 +93,8 @@ def test_drain_moves_a_greedy_stream_without_changing_its_tokens(
     client = register_all(gw, engines)
     params = SamplingParams(temperature=0.0, max_new_tokens=LONG)
     expected = reference(engines, params)
-    stream = client.generate_stream(CallMeta(execution_id=f"mig-{kind}", call_id="c1"), PROMPT, params)
-    pieces, reports = [], []
-    drainer: threading.Thread | None = None
-    for piece in stream:
-        pieces.append(piece)
-        if drainer is None and sum(len(p.token_ids) for p in pieces) >= 16:
-            cell = busy_cell(client)
-            drainer = threading.Thread(target=lambda: reports.extend(client.drain_engine(cell, kind)))
-            drainer.start()
-    assert drainer is not None
-    drainer.join(timeout=60)
+    pieces, reports, cell = stream_and_drain(client, CallMeta(execution_id=f"mig-{kind}", call_id="c1"), PROMPT,
+                                             params, kind)
     ids, _lps, last = collect(pieces)
     assert last.finished and last.finish_reason == "length"
     np.testing.assert_array_equal(ids, expected)
@@ -146,18 +156,8 @@ def test_a_migrated_call_leaves_its_kv_as_the_receivers_cached_prefix(
     client = register_all(gw, engines)
     prompt = np.random.default_rng(7).integers(0, 512, 200).astype(np.int32)  # no other test's context
     meta = dict(execution_id=f"prefix-{kind}", agent_id="agent-m")
-    stream = client.generate_stream(CallMeta(call_id="c1", **meta), prompt,
-                                    SamplingParams(temperature=0.0, max_new_tokens=LONG))
-    pieces, reports = [], []
-    drainer: threading.Thread | None = None
-    for piece in stream:
-        pieces.append(piece)
-        if drainer is None and sum(len(p.token_ids) for p in pieces) >= 16:
-            cell = busy_cell(client)
-            drainer = threading.Thread(target=lambda: reports.extend(client.drain_engine(cell, kind)))
-            drainer.start()
-    assert drainer is not None
-    drainer.join(timeout=60)
+    pieces, reports, _ = stream_and_drain(client, CallMeta(call_id="c1", **meta), prompt,
+                                          SamplingParams(temperature=0.0, max_new_tokens=LONG), kind)
     out, _lps, last = collect(pieces)
     (report,) = reports
     assert report.ok and last.finished
