@@ -26,6 +26,7 @@ Not thread-safe: owned by the engine loop.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ CACHED_TOKENS = Gauge("gyre_rollout_engine_prefix_cached_tokens", "Tokens reside
                       registry=REGISTRY)
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer [kv_heads, tokens, head_dim]
+# Entries compared token by token per lookup, past the last whole block in common (a longer match in
+# an older entry could only add less than one block).
+MAX_CANDIDATES = 16
 
 
 @dataclass(eq=False)
@@ -94,21 +98,24 @@ class PrefixCache:
             return None
         ids = np.asarray(ids, np.int32)
         b, prev = self.block_tokens, b""
-        candidates: list[Entry] = []
+        holders: dict[int, Entry] = {}
         matched = 0  # whole blocks some entry shares with ids
-        for i in range(len(ids) // b):  # walk the chain while some entry holds it
+        for i in range(len(ids) // b):  # walk the chain while some entry of this version holds it
             prev = hashlib.blake2b(prev + ids[i * b:(i + 1) * b].tobytes(), digest_size=16).digest()
-            holders = [e for e in self._by_key.get(prev, {}).values() if e.version == version]
-            if not holders:
+            at = self._by_key.get(prev)
+            if not at or not any(e.version == version for e in reversed(at.values())):
                 break
-            candidates, matched = holders, i + 1
-        if not matched:  # no whole block in common: an entry may still share a shorter prefix
-            candidates = [e for e in self._entries.values() if e.version == version]
+            holders, matched = at, i + 1
+        # candidates: the newest holders of the last common block (they agree up to it), or with no
+        # whole block in common the most recently used entries; bounded, so a lookup's cost does
+        # not grow with the number of cached calls that share a system prompt
+        pool = holders.values() if matched else self._entries.values()
+        candidates = [e for e in itertools.islice(reversed(pool), MAX_CANDIDATES) if e.version == version]
         # the entries holding the last common block agree up to it; past it, at most one more block
         # can match (or a whole one would have): compare that stretch of each, vectorized
         best: Hit | None = None
         lo = matched * b
-        for entry in reversed(candidates):  # newest first: ties go to the most recent
+        for entry in candidates:  # newest first: ties go to the most recent
             n = min(len(ids), len(entry.ids), lo + b)
             differ = np.flatnonzero(entry.ids[lo:n] != ids[lo:n])
             tokens = lo + (int(differ[0]) if differ.size else n - lo)

@@ -127,3 +127,22 @@ def test_a_budget_that_cannot_hold_one_full_request_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="cannot hold one full-length request"):
         TorchEngine(build_tiny_model(512), device="cpu", prefix_cache_bytes=1 << 10)
     assert not TorchEngine(build_tiny_model(512), device="cpu", prefix_cache_bytes=0).prefix_cache.enabled
+
+
+def test_a_lookup_compares_a_bounded_number_of_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand executions share a system prompt: a lookup still compares at most MAX_CANDIDATES
+    entries token by token (its cost does not grow with the calls cached), and finds the newest."""
+    from services.rollout import prefix_cache
+
+    cache = PrefixCache(budget_bytes=1 << 30, bytes_per_token=4, block_tokens=64)
+    system = np.arange(1, 257, dtype=np.int32)
+    for e in range(1000):
+        own = ids(system, [1000 + e, 7, 7])
+        cache.insert(own, kv_of(own), version=0)
+    compared = []
+    real = prefix_cache.np.flatnonzero
+    monkeypatch.setattr(prefix_cache.np, "flatnonzero", lambda a: compared.append(1) or real(a))
+    hit = cache.lookup(ids(system, [1999, 7, 5]), version=0)
+    assert hit is not None and hit.tokens == len(system) + 2 and hit.entry.ids[len(system)] == 1999
+    assert len(compared) <= prefix_cache.MAX_CANDIDATES
+    assert cache.lookup(ids(system, [5]), version=0).tokens == len(system)  # type: ignore[union-attr]
