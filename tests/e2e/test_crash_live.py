@@ -103,13 +103,16 @@ def _pid_of_replica(replica_id: str) -> int | None:
 
 
 def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, int]:
-    """(replica id, pid) of a trainer replica taking part in a step (the elastic policy moves a
-    freed cell to training once the step's rollout work shrinks)."""
+    """(replica id, pid) of a trainer replica taking part in a step and still training its share
+    (the elastic policy moves a freed cell to training once the step's rollout work shrinks); one
+    that is done has handed its gradient in, so killing it would cost nothing to evict."""
     with _trainer(data) as trainer:
         while not watch_done():
-            for r in trainer.status().replicas:
+            status = trainer.status()
+            for r in status.replicas:
                 # the core's own replicas (warm ones too) carry their pid; a cell agent's: by argv
-                pid = None if (r.left or r.evicted) else (r.pid or _pid_of_replica(r.replica_id))
+                busy = not (r.left or r.evicted or r.done) and r.step == status.step
+                pid = (r.pid or _pid_of_replica(r.replica_id)) if busy else None
                 if pid is not None:
                     return r.replica_id, pid
             time.sleep(0.05)
