@@ -36,10 +36,15 @@ class TrainerConfig(ServerConfig):
     replica_max_steps: int = setting(0, "Replica mode: leave after this many steps (0 = until released).")
     replica_threads: int = setting(0, "Replica mode: torch intra-op threads (0 = torch's default).")
     replica_log_dir: str = setting(".gyre/logs", "Core: directory for logs of replicas it spawns (AddReplica).")
-    warm_replicas: int = setting(1, "Core: replica processes kept started (imports done, a model run once) for the "
-                                    "next AddReplica, which then skips ~5 s of start-up; 0 = start each when asked.")
+    warm_replicas: int = setting(1, "Core: replica processes started ahead (imports done, a model run once) and "
+                                    "reused: AddReplica hands one a cell, which then skips ~5 s of start-up, and "
+                                    "it waits for the next cell once its cell is given back (the pool grows to "
+                                    "the most cells training at once); 0 = a process of its own per replica.")
     replica_warm: bool = setting(False, "Replica mode: start up, then wait for the cell and replica id as one JSON "
-                                        "line on stdin (how the core's warm replicas are started).")
+                                        "line on stdin, and the next one after its cell is given back, until stdin "
+                                        "ends (how the core's pool of replica processes is started).")
+    replica_status_fd: int = setting(-1, "Replica mode, warm: file descriptor to write 'ready' (warmed up) and "
+                                         "'free' (cell given back) lines to, for the core; -1 = none.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -223,8 +223,14 @@ class StepMembership:
     def leave(self, replica_id: str) -> int:
         """Drop ``replica_id`` from the open step (and the next); returns the step it left."""
         with self._cv:
-            self._next.pop(replica_id, None)
+            nxt = self._next.pop(replica_id, None)
             self._released.discard(replica_id)
+            if nxt is not None:
+                # it joined the next step after taking part in the sealed one's all-reduce (a
+                # replica joins again only after its reduce): nothing of the sealed step waits on it
+                self._cv.notify_all()
+                log.info("replica left", replica_id=replica_id, step=nxt.step)
+                return nxt.step
             state = self._current
             if state is None or replica_id not in state.members:
                 return -1

@@ -8,7 +8,6 @@ Heavy imports (torch, transformers) happen inside the build functions, so ``--he
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import sys
@@ -79,35 +78,92 @@ def scheduler_reporter() -> Callable[[Any, int, str, int], None]:
 def run_replica(cfg: TrainerConfig) -> int:
     import torch
 
-    from services.trainer.client import TrainerClient
-    from services.trainer.replica import Replica, default_replica_id
-
     setup_logging(json=cfg.log_json, level=cfg.log_level, service="trainer-replica")
     if cfg.replica_threads:
         torch.set_num_threads(cfg.replica_threads)
     if cfg.replica_warm:
-        warmed = _warm_up()
-        line = sys.stdin.readline()  # the core hands this process a cell, or closes the pipe
-        if not line.strip():
-            return 0
-        try:
-            task = json.loads(line)
-            cfg = dataclasses.replace(cfg, cell_id=str(task["cell_id"]), replica_id=str(task["replica_id"]),
-                                      replica_warm=False)
-        except (ValueError, KeyError, TypeError) as exc:
-            print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} on stdin: {exc}",
-                  file=sys.stderr)
-            return 2
-        get_logger("services.trainer.main").info("warm replica assigned", cell_id=cfg.cell_id,
-                                                 replica_id=cfg.replica_id, warm_up_s=round(warmed, 3))
+        return _run_pooled(cfg)
     stop = threading.Event()
-    with TrainerClient(cfg.core, max_message_mb=cfg.max_message_mb) as core:
+    from services.trainer.replica import Replica, default_replica_id
+
+    with _core_client(cfg) as core:
         replica = Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
                           device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop)
         # SIGTERM = give the cell back now: leave at the next micro-batch boundary (hand-off).
         signal.signal(signal.SIGTERM, lambda *_: replica.interrupt())
         signal.signal(signal.SIGINT, lambda *_: replica.interrupt())
         replica.run()
+    return 0
+
+
+def _core_client(cfg: TrainerConfig) -> Any:  # the client, imported lazily (torch)
+    from services.trainer.client import TrainerClient
+
+    return TrainerClient(cfg.core, max_message_mb=cfg.max_message_mb)
+
+
+def _run_pooled(cfg: TrainerConfig) -> int:
+    """A pool process (see services/trainer/spawn.py): warm up, tell the core "ready" on the status
+    pipe, then run one replica per cell handed over on stdin, telling "free" after each, until
+    stdin ends. SIGUSR1: the current replica leaves now (its cell is given back); SIGTERM: the
+    same, then exit (at once when no cell is being trained)."""
+    from services.trainer.replica import Replica
+
+    slog = get_logger("services.trainer.main")
+    warmed = _warm_up()
+    status = open(cfg.replica_status_fd, "w", buffering=1, closefd=True) if cfg.replica_status_fd >= 0 else None
+
+    def tell(what: str) -> None:
+        if status is not None:
+            status.write(what + "\n")
+
+    current: list[Replica] = []
+    exiting = threading.Event()
+
+    def on_term(*_: Any) -> None:
+        exiting.set()
+        if not current:
+            raise SystemExit(0)
+        current[0].interrupt()
+
+    def on_release(*_: Any) -> None:
+        if current:
+            current[0].interrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGUSR1, on_release)
+    tell("ready")
+    kept: Any = None  # the previous replica's model, reused when the next cell trains the same job
+    cells = 0
+    while not exiting.is_set():
+        line = sys.stdin.readline()  # the core hands this process a cell, or closes the pipe
+        if not line.strip():
+            return 0
+        try:
+            task = json.loads(line)
+            cell_id, replica_id = str(task["cell_id"]), str(task["replica_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} on stdin: {exc}",
+                  file=sys.stderr)
+            return 2
+        cells += 1
+        slog.info("warm replica assigned", cell_id=cell_id, replica_id=replica_id, warm_up_s=round(warmed, 3),
+                  cells=cells)
+        with _core_client(cfg) as core:
+            replica = Replica(core, replica_id=replica_id, cell_id=cell_id, device=cfg.replica_device,
+                              max_steps=cfg.replica_max_steps, stop_event=threading.Event(), reuse=kept)
+            current.append(replica)
+            if exiting.is_set():
+                replica.interrupt()
+            try:
+                replica.run()
+            finally:
+                current.clear()
+        kept = replica.reusable()
+        if exiting.is_set():
+            return 0
+        tell("free")
     return 0
 
 

@@ -57,7 +57,8 @@ class Replica:
     """One replica process's loop; ``stop_event`` requests a graceful leave."""
 
     def __init__(self, core: TrainerClient, *, replica_id: str, cell_id: str, device: str = "",
-                 max_steps: int = 0, stop_event: threading.Event | None = None) -> None:
+                 max_steps: int = 0, stop_event: threading.Event | None = None,
+                 reuse: tuple[Learner, TrainerJob] | None = None) -> None:
         self.core = core
         self.replica_id = replica_id
         self.cell_id = cell_id
@@ -66,8 +67,9 @@ class Replica:
         self.stop_event = stop_event or threading.Event()
         self.stats = ReplicaStats(per_step_batches={})
         self.log = get_logger(__name__, replica_id=replica_id, cell_id=cell_id)
-        self._learner: Learner | None = None
-        self._job: TrainerJob | None = None
+        # a pool process's previous replica's model (``reusable()``): kept when the job is the same
+        self._learner: Learner | None = reuse[0] if reuse is not None else None
+        self._job: TrainerJob | None = reuse[1] if reuse is not None else None
         self._source: BatchSource | None = None
         self._alive_stop = threading.Event()
         self._alive: threading.Thread | None = None
@@ -85,6 +87,11 @@ class Replica:
             return self._run()
         finally:
             self._alive_stop.set()
+
+    def reusable(self) -> tuple[Learner, TrainerJob] | None:
+        """The model this replica trained (weights are pulled again): the next replica of a pool
+        process starts from it when it trains the same job."""
+        return (self._learner, self._job) if self._learner is not None and self._job is not None else None
 
     def _heartbeat(self, interval_s: float) -> None:
         """Tell the core this replica lives, every ``interval_s``, until ``run`` returns."""
@@ -108,8 +115,12 @@ class Replica:
                                                name="replica-alive", daemon=True)
                 self._alive.start()
             if self._learner is None or self._job is None or self._job.job_id != job.job_id:
+                if self._source is not None:
+                    self._source.close()
+                    self._source = None
                 self._learner = build_learner(job, self.device)
                 self._job = job
+            if self._source is None:
                 self._source = open_source(job.source, store_host=ticket.store_host, store_port=ticket.store_port,
                                            job_id=job.job_id, consumer_id=self.replica_id,
                                            trajectory_address=job.trajectory_address)
@@ -160,6 +171,7 @@ class Replica:
                 break
         if self._source is not None:
             self._source.close()
+            self._source = None
         self.log.info("replica exits", steps=self.stats.steps, micro_batches=self.stats.micro_batches)
         return self.stats
 

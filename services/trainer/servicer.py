@@ -156,6 +156,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if spawned.proc.poll() is not None:
                 raise FailedPrecondition(f"replica process for cell {request.cell_id!r} exited with code "
                                          f"{spawned.proc.returncode} before joining (log in {spawned.log})")
+            if self.replicas.alive(spawned.replica_id) is False:  # a pool process that ended it
+                raise FailedPrecondition(f"replica {spawned.replica_id!r} for cell {request.cell_id!r} ended "
+                                         f"before joining (log in {spawned.log})")
             time.sleep(0.05)
         raise FailedPrecondition(f"replica for cell {request.cell_id!r} did not join within {request.wait_s or 120.0}s")
 

@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
         added = client.add_replica("cell-a", switch_id="sw1", wait_s=120)
         assert added.step == 1 and added.pid == warm[0]  # the warm process took the cell
-        _wait(lambda: len(replicas.warm_pids()) == 1 and replicas.warm_pids() != warm, "a new warm replica")
+        assert replicas.warm_pids() == []  # the pool's one process is busy (it comes back when A ends)
         _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
         store.set(f"{prefix}/release/1", "1")
         r1 = client.wait_step(1, timeout_s=90)
@@ -186,3 +187,67 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         client.close()
         core.stop()
         server.stop(0)
+
+
+@pytest.mark.timeout(300)
+def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> None:
+    """The core's pool of replica processes: a cell given back (ReleaseReplica) frees its process,
+    which waits for the next cell instead of exiting, so the next AddReplica (another cell, the same
+    job) gets it ready: no process start on any later switch. Its step completes with both."""
+    torch.set_num_threads(1)
+    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
+    servicer = TrainerServicer(core)
+    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
+                          service_names=[TRAINER_SERVICE]).start()
+    address = f"127.0.0.1:{server.port}"
+    replicas = ReplicaProcesses(address, log_dir=str(tmp_path), extra_args=("--replica-threads", "1", "--log-json",
+                                                                            "false"), warm=1)
+    servicer.replicas = replicas
+    client = TrainerClient(address)
+    store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)
+    prefix = "gyre/pool/synthetic"
+    store.set(f"{prefix}/hold/1", "0")
+    try:
+        assert replicas.wait_ready(120), "the pool process did not warm up"
+        [pid] = replicas.warm_pids()
+        client.start_job(TrainerJob(job_id="pool", model="tiny", source=SOURCE, num_steps=2, seed=7,
+                                    attention="sdpa"))
+        assert client.wait_step(0, timeout_s=60).finished
+        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+
+        a = client.add_replica("cell-a", switch_id="s1", wait_s=120)
+        assert (a.pid, a.step) == (pid, 1)
+        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
+        # the cell is given back while A waits in the store (the test hook's hold, where no signal
+        # handler runs): once the hold opens, A trains that batch, hands its gradient off and is free
+        signalled = threading.Event()
+        terminate = replicas.terminate
+        replicas.terminate = lambda cell: (terminate(cell), signalled.set())  # type: ignore[method-assign]
+        out: dict[str, object] = {}
+        releasing = threading.Thread(target=lambda: out.setdefault(
+            "r", client.release_replica(cell_id="cell-a", wait_s=60)))
+        releasing.start()
+        assert signalled.wait(60)
+        store.set(f"{prefix}/release/1", "1")
+        releasing.join(90)
+        released = out["r"]
+        assert released.released and released.replica_id == a.replica_id  # type: ignore[attr-defined]
+        # left (its cell is given back), and its process is free again, not gone
+        assert replicas.alive(a.replica_id) is False and pid in replicas.warm_pids()
+        assert replicas.get("cell-a").proc.poll() is None
+
+        b = client.add_replica("cell-b", switch_id="s2", wait_s=120)
+        assert (b.pid, b.step) == (pid, 1) and b.replica_id != a.replica_id  # the same process, a new replica
+        r1 = client.wait_step(1, timeout_s=90)
+        assert r1.finished and r1.metrics["handed_off"] == 1
+        # the job's end releases B too: its process is back in the pool, again not gone
+        _wait(lambda: replicas.alive(b.replica_id) is False, "replica B to end with the job")
+        assert pid in replicas.warm_pids()
+        log = (tmp_path / "replica-warm.log").read_text()
+        assert log.count("warm replica assigned") == 2
+    finally:
+        replicas.stop_all()
+        client.close()
+        core.stop()
+        server.stop(0)
+    assert replicas.warm_pids() == []

@@ -75,6 +75,23 @@ def test_leave_before_seal_shrinks_world() -> None:
         m.done("b", 0)
 
 
+def test_leave_after_reducing_a_sealed_step_leaves_the_next() -> None:
+    """A replica that took part in step 0's all-reduce and joined step 1 while step 0 was still
+    sealed (the core applying the update) is released: it leaves step 1, which is what it is in;
+    step 0's seal no longer waits on it (CI's colocate run saw it refused and the replica crash)."""
+    m = _membership()
+    m.join("a", "cell-a")
+    out: dict[str, object] = {}
+    t = _done_async(m, "a", 0, out)
+    assert m.core_done(0).world_size == 2
+    t.join(5)
+    assert m.join("a", "cell-a").step == 1  # step 0 still sealed: lands in the next one
+    assert m.leave("a") == 1
+    m.open_step(1, 1)
+    assert m.core_done(1).world_size == 1  # not a member any more
+    assert [x for x in m.members() if x["step"] == 1] == []
+
+
 def test_silent_member_is_evicted() -> None:
     m = _membership(timeout_s=0.2)
     m.join("ghost", "cell-g")
