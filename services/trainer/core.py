@@ -17,6 +17,7 @@ rendezvous on lives as long as the CoreTrainer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import threading
 import time
@@ -30,7 +31,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
 from services.trainer import checkpoint as ckpt
 from services.trainer import metrics as m
-from services.trainer.elastic import Seal, StepMembership, all_reduce_step, open_group
+from services.trainer.elastic import ReduceCalledOff, Seal, StepMembership, all_reduce_step, arrive, open_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
 from services.trainer.model import build_model
@@ -226,9 +227,15 @@ class CoreTrainer:
         stats = learner.stats
         participants = tuple(str(x["replica_id"]) for x in self.membership.members()
                              if x["step"] == step and x["rank"] > 0 and not x["evicted"])
+        try:
+            reduce_s = self._reduce(seal, learner)
+        except ReduceCalledOff as exc:  # a participant died after the seal: train its share here
+            slog.warning("all-reduce called off", step=step, error=str(exc))
+            self.membership.call_off(step)
+            participants, reduce_s = (), 0.0
+            seal = dataclasses.replace(seal, world_size=1)
         evicted = sum(1 for x in self.membership.members() if x["step"] == step and x["evicted"])
         m.EVICTED.inc(evicted)
-        reduce_s = self._reduce(seal, learner)
         for grads in st.handoffs.pop(step, []):
             stats_vec, extrema = grads.pop(STATS_KEY, None), grads.pop(EXTREMA_KEY, None)
             learner.add_grads(grads)
@@ -303,6 +310,11 @@ class CoreTrainer:
         if seal.world_size <= 1:
             return 0.0
         start = time.perf_counter()
+        assert self.membership is not None
+        membership = self.membership
+        # every participant arrives first: one that died after the seal calls the reduce off
+        # instead of leaving the group's setup waiting for it until collective_timeout_s
+        arrive(self.store, seal, timeout_s=self.collective_timeout_s, gone=lambda: membership.sealed_gone(seal.step))
         group = open_group(seal, store_host=self.store_host, store_port=self.store_port,
                            backend=backend_for(learner.policy.device), timeout_s=self.collective_timeout_s,
                            store=self.store)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, NotFound, Unavailable
 from services.common.logging import get_logger
 
 log = get_logger(__name__)
@@ -257,6 +257,35 @@ class StepMembership:
             self._closed = True
             self._cv.notify_all()
 
+    def sealed_gone(self, step: int) -> str:
+        """Why a participant of sealed ``step`` cannot reach the all-reduce ("" while all can)."""
+        with self._cv:
+            s = self._current
+            if s is None or s.step != step or not s.sealed:
+                return ""
+            for m in s.members.values():
+                if m.rank > 0 and not (m.left or m.evicted):
+                    why = self._gone(m)
+                    if why:
+                        return f"replica {m.replica_id} ({why})"
+            return ""
+
+    def call_off(self, step: int) -> list[str]:
+        """The all-reduce of ``step`` was called off: every participant is evicted (their gradient
+        sums never reach the core, which trains their micro-batches again); returns them."""
+        with self._cv:
+            s = self._current
+            if s is None or s.step != step:
+                return []
+            out = []
+            for m in s.members.values():
+                if m.rank > 0 and not (m.left or m.evicted):
+                    m.evicted = True
+                    out.append(m.replica_id)
+            self._cv.notify_all()
+            log.warning("step's all-reduce called off; its replicas evicted", step=step, replicas=out)
+            return sorted(out)
+
     # -- views ------------------------------------------------------------------------------------
     def members(self) -> list[dict[str, Any]]:
         with self._cv:
@@ -311,6 +340,41 @@ class StepMembership:
 
 
 # --- the collective ------------------------------------------------------------------------------
+
+class ReduceCalledOff(Aborted):
+    """A participant of the sealed step died (or went silent) before everyone reached the
+    all-reduce: the core calls it off, evicts the step's replicas and trains their micro-batches
+    again itself; the surviving replicas drop their gradient sums and join the next step."""
+
+
+def arrive(store: Any, seal: Seal, *, timeout_s: float, gone: Callable[[], str] | None = None,
+           poll_s: float = 0.01) -> None:
+    """Wait until every participant of the sealed step is here, before the process group is built.
+
+    Building a gloo/NCCL group waits for every rank's address: a rank that died after the seal
+    would leave the others there until ``collective_timeout_s`` (600 s). Here each participant
+    counts itself in ``<prefix>/arrived`` and polls ``<prefix>/verdict``, which is written once
+    (the store's compare-and-set): "go" by the last to arrive, or "off" by the core when a sealed
+    member is ``gone`` (why, "" while every one may still come) or by anyone after ``timeout_s``.
+    Whichever is first stands for everyone; "off" raises ReduceCalledOff."""
+    verdict = f"{seal.group_prefix}/verdict"
+    if int(store.add(f"{seal.group_prefix}/arrived", 1)) >= seal.world_size:
+        store.compare_set(verdict, "", "go")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([verdict]):
+            value = store.get(verdict).decode()
+            if value == "go":
+                return
+            raise ReduceCalledOff(f"the all-reduce of step {seal.step} was called off: {value[4:]}")
+        why = gone() if gone is not None else ""
+        if not why and time.monotonic() > deadline:
+            why = f"not every participant arrived within {timeout_s:g}s"
+        if why:
+            store.compare_set(verdict, "", f"off:{why}")
+            continue
+        time.sleep(poll_s)
+
 
 def open_group(seal: Seal, *, store_host: str, store_port: int, backend: str,
                timeout_s: float = 600.0, store: object | None = None) -> object:

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.trainer.client import TrainerClient
 from services.trainer.core import backend_for, build_learner
-from services.trainer.elastic import all_reduce_step, open_group
+from services.trainer.elastic import ReduceCalledOff, all_reduce_step, arrive, open_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import Learner
 from services.trainer.journal import journal_for
@@ -43,6 +44,7 @@ from services.trainer.weights import load_state
 
 
 JOIN_WAIT_S = 60.0  # how long a replica waits for a step to join before it gives up
+COLLECTIVE_TIMEOUT_S = 600.0  # a step's arrival and process group: the core decides sooner when one is gone
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Replica:
         self._source: BatchSource | None = None
         self._alive_stop = threading.Event()
         self._alive: threading.Thread | None = None
+        self._store: tuple[tuple[str, int], Any] | None = None
 
     def interrupt(self) -> None:
         """Give the cell back now (SIGTERM): leave at the next micro-batch boundary, also when
@@ -87,6 +90,18 @@ class Replica:
             return self._run()
         finally:
             self._alive_stop.set()
+
+    def _store_for(self, host: str, port: int) -> Any:
+        """A client of the core's rendezvous store (one per core address, kept across steps)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if self._store is None or self._store[0] != (host, port):
+            store = dist.TCPStore(host, port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            self._store = ((host, port), store)
+        return self._store[1]
 
     def reusable(self) -> tuple[Learner, TrainerJob] | None:
         """The model this replica trained (weights are pulled again): the next replica of a pool
@@ -158,8 +173,18 @@ class Replica:
                     log.info("released at the step's seal; all-reducing before leaving")
             seal = self.core.await_reduce(self.replica_id, ticket.step)
             if seal.world_size > 1:
+                store = self._store_for(ticket.store_host, ticket.store_port)
+                try:
+                    arrive(store, seal, timeout_s=COLLECTIVE_TIMEOUT_S)
+                except ReduceCalledOff as exc:
+                    # another participant died after the seal: the core trains this replica's
+                    # micro-batches again (its gradient sum is dropped); it stays for the next step
+                    log.warning("all-reduce called off; the core trains this step's share again", error=str(exc))
+                    if leaving or seal.release or ticket.step + 1 >= job.num_steps:
+                        break
+                    continue
                 group = open_group(seal, store_host=ticket.store_host, store_port=ticket.store_port,
-                                   backend=backend or backend_for(self.device))
+                                   backend=backend or backend_for(self.device), store=store)
                 all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
             self.stats.steps += 1
             held_version = ticket.weight_version  # the core's update makes it stale; next join pulls v+1

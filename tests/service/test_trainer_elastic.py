@@ -251,3 +251,48 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
         core.stop()
         server.stop(0)
     assert replicas.warm_pids() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_gone_after_the_seal_costs_seconds_not_the_collective_timeout() -> None:
+    """A replica that reported done, was sealed into the step and then went away before reaching
+    the all-reduce (its host died: heartbeats stop): the core calls the reduce off after
+    replica_silence_s, evicts it and publishes the same update as alone, instead of waiting in the
+    process group's setup for collective_timeout_s (600 s) and failing the job."""
+    torch.set_num_threads(1)
+    ref_weights, _ = _reference()
+    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=2.0)
+    core.weights.keep = STEPS + 1
+    servicer = TrainerServicer(core)
+    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
+                          service_names=[TRAINER_SERVICE]).start()
+    client = TrainerClient(f"127.0.0.1:{server.port}")
+    store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)
+    prefix = "gyre/ghost/synthetic"
+    store.set(f"{prefix}/hold/1", "0")
+    try:
+        client.start_job(_job("ghost"))
+        assert client.wait_step(0, timeout_s=60).finished
+        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        ticket, _, _ = client.join_step("ghost-1", "cell-g")
+        assert ticket.step == 1
+        sealed: dict[str, object] = {}
+        waiting = threading.Thread(target=lambda: sealed.setdefault("seal", client.await_reduce("ghost-1", 1)))
+        waiting.start()  # done (it trained nothing) and alive until the seal...
+        store.set(f"{prefix}/release/1", "1")
+        while waiting.is_alive():
+            client.replica_alive("ghost-1")
+            waiting.join(0.2)
+        seal = sealed["seal"]
+        assert (seal.rank, seal.world_size) == (1, 2)  # type: ignore[attr-defined]
+        t0 = time.monotonic()  # ...then silent, never arriving at the all-reduce
+        r1 = client.wait_step(1, timeout_s=60)
+        assert time.monotonic() - t0 < 30
+        assert r1.finished and r1.metrics["world_size"] == 1 and r1.metrics["evicted"] == 1
+        for name, ref_t in ref_weights[1].items():  # the update the core makes alone
+            torch.testing.assert_close(core.weights.get(2)[name], ref_t, rtol=1e-5, atol=1e-6, msg=name)
+        assert client.wait_step(2, timeout_s=60).finished  # the job goes on
+    finally:
+        client.close()
+        core.stop()
+        server.stop(0)

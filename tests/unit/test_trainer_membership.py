@@ -143,3 +143,83 @@ def test_errors_for_unknown_members_and_steps() -> None:
     fresh = StepMembership(job_id="j", store_host="h", store_port=1)
     with pytest.raises(FailedPrecondition, match="no step"):
         fresh.join("a", "c")
+
+
+def _store():  # noqa: ANN202 - a real TCPStore master on a free port
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+def _arrive_async(store, seal: Seal, out: dict[str, object], name: str, gone=None) -> threading.Thread:  # noqa: ANN001
+    from services.trainer.elastic import arrive
+
+    def run() -> None:
+        try:
+            arrive(store, seal, timeout_s=30, gone=gone)
+            out[name] = "go"
+        except Exception as exc:  # collected for the assertion
+            out[name] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_arrival_goes_ahead_when_every_participant_is_there() -> None:
+    store = _store()
+    out: dict[str, object] = {}
+    seals = [Seal(step=0, rank=r, world_size=3, group_prefix="gyre/j/step/0") for r in range(3)]
+    threads = [_arrive_async(store, s, out, f"r{s.rank}", gone=(lambda: "") if s.rank == 0 else None) for s in seals]
+    for t in threads:
+        t.join(30)
+    assert out == {"r0": "go", "r1": "go", "r2": "go"}
+    # a late "off" (a death noticed after everyone arrived) does not undo the verdict
+    store.compare_set("gyre/j/step/0/verdict", "", "off:late")
+    assert store.get("gyre/j/step/0/verdict") == b"go"
+
+
+def test_a_participant_gone_after_the_seal_calls_the_reduce_off_for_everyone() -> None:
+    """Rank 2 was sealed in and died before reaching the group: the core (rank 0) sees it gone and
+    calls the reduce off; rank 1, which arrived, learns it at once (not after collective_timeout_s)."""
+    from services.trainer.elastic import ReduceCalledOff
+
+    store = _store()
+    out: dict[str, object] = {}
+    dead = threading.Event()
+    seals = [Seal(step=4, rank=r, world_size=3, group_prefix="gyre/j/step/4") for r in range(2)]
+    t1 = _arrive_async(store, seals[1], out, "r1")
+    t0 = _arrive_async(store, seals[0], out, "r0", gone=lambda: "replica r2 (its process exited)" if dead.is_set()
+                       else "")
+    time.sleep(0.2)
+    assert not out  # both wait for rank 2
+    t_dead = time.monotonic()
+    dead.set()
+    t0.join(10)
+    t1.join(10)
+    assert time.monotonic() - t_dead < 5
+    for name in ("r0", "r1"):
+        assert isinstance(out[name], ReduceCalledOff) and "its process exited" in str(out[name]), out
+    # rank 2 coming back late finds the verdict too, instead of building a group nobody else joins
+    late: dict[str, object] = {}
+    _arrive_async(store, Seal(step=4, rank=2, world_size=3, group_prefix="gyre/j/step/4"), late, "r2").join(10)
+    assert isinstance(late["r2"], ReduceCalledOff)
+
+
+def test_call_off_evicts_the_sealed_participants() -> None:
+    m = _membership()
+    m.join("a", "cell-a")
+    m.join("b", "cell-b")
+    out: dict[str, object] = {}
+    threads = [_done_async(m, r, 0, out) for r in ("a", "b")]
+    assert m.core_done(0).world_size == 3
+    for t in threads:
+        t.join(5)
+    alive = {"a": True, "b": False}
+    m.is_alive = lambda rid: alive.get(rid)
+    assert "replica b (its process exited)" == m.sealed_gone(0)
+    assert m.call_off(0) == ["a", "b"]
+    assert m.evicted(0) == ["a", "b"] and m.sealed_gone(0) == ""
