@@ -9,6 +9,7 @@ Heavy imports (torch, transformers) happen inside the build functions, so ``--he
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -43,7 +44,8 @@ def build_trainer(cfg: TrainerConfig) -> Built:
                        collective_timeout_s=cfg.collective_timeout_s,
                        publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
     servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
-                               chunk_bytes=cfg.publish_chunk_mb << 20)
+                               chunk_bytes=cfg.publish_chunk_mb << 20,
+                               activation_checkpointing=cfg.activation_checkpointing)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
                           service_names=[TRAINER_SERVICE], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
@@ -123,7 +125,11 @@ def _run_pooled(cfg: TrainerConfig) -> int:
     def on_term(*_: Any) -> None:
         exiting.set()
         if not current:
-            raise SystemExit(0)
+            # waiting for a cell, nothing to hand over: gone now (an exception raised here could
+            # land in the interpreter's exit handlers when the signal comes twice)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         current[0].interrupt()
 
     def on_release(*_: Any) -> None:
