@@ -53,7 +53,7 @@ from tests.support.systemd import parse_unit
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "deploy" / "systemd"
 PY = sys.executable
-STEPS = 2
+STEPS = 3
 # set by services/__init__.py and services/common/logging.py in whatever imports them (this test too)
 SET_IN_PROCESS = ("GRPC_VERBOSITY", "TORCH_CPP_LOG_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS")
 REDIS_PASSWORD = os.urandom(12).hex()  # Redis on a non-loopback address: with a password, as deployed
@@ -428,10 +428,10 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
         while watch.poll() is None:  # every process stays up (nothing here restarts one)
             procs.check_alive()
             assert time.monotonic() < deadline, "the job did not end"
-            if not cordoned and attempts < 4:
+            if not cordoned and attempts < 6:
                 cordoned = _cordon_a_busy_cell(sched, job_id, cli, operator)
                 attempts, cordoned_at = attempts + bool(cordoned), time.time()
-            elif cordoned and attempts < 4 and _drained_without_migrating(sched, job_id, cordoned, cordoned_at):
+            elif cordoned and attempts < 6 and _drained_without_migrating(sched, job_id, cordoned, cordoned_at):
                 # its requests ended before the drain reached them: give it back, cordon again later
                 subprocess.run([*cli, "uncordon", "--scheduler", sched.address, cordoned], cwd=REPO,
                                capture_output=True, text=True, timeout=60, env=operator, check=True)
