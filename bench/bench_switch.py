@@ -1,6 +1,7 @@
 """Role-switch latency on the live stack, broken into phases: `gyre run` (built-in model, elastic,
-a few steps) with the trainer's warm replica processes off and on (``warm_replicas`` 0 vs the
-local stack's default), from the job's own events (``switch_finished`` durations, ``switch_phases``).
+a few steps) with the trainer's replica pool off and on (``warm_replicas`` 0: a process per replica,
+started cold and exiting with it; 2: pool processes started ahead, each back in the pool when its
+cell is given back), from the job's own events (``switch_finished`` durations, ``switch_phases``).
 
     .venv/bin/python -m bench.bench_switch [--steps 4]
 
@@ -8,7 +9,8 @@ Writes bench/results/switch.md. Phases (services actuator, one host): rollout ->
 (the gateway migrates the cell's requests, KV over UCX) + replica_join (a replica process in the
 running step with the current weights: a cold start or a warm process handed the cell);
 train -> rollout = release (the replica hands off its gradient and leaves) + engine_resume (the
-gateway routes to the engine again; it kept its model and KV pool while the cell trained).
+gateway routes to the engine again; it kept its model and KV pool while the cell trained); a
+pool process's release is a leave (SIGUSR1, hand-off), not an exit.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def main() -> None:
     out = ["# Role-switch latency (live stack)", "",
            f"`python -m bench.bench_switch`: `gyre run --mode elastic --num-steps {args.steps}` on the built-in "
            "model (2 rollout cells + the trainer core, 2 CPU cores), once with `warm_replicas = 0` (every replica "
-           "a cold process) and once with the local stack's `warm_replicas = 2`. Durations from the job's "
+           "a cold process that exits when its cell is given back) and once with a replica pool of 2 (processes "
+           "started ahead; a released one leaves its step and waits in the pool for the next cell). "
+           "Durations from the job's "
            f"`switch_finished` events, phases from its `switch_phases` events. Total {time.perf_counter() - t0:.0f} s.",
            "", "| warm replicas | direction | switches | median s | p90 s | mean s | median per phase s |",
            "|---:|---|---:|---:|---:|---:|---|"]
@@ -80,7 +84,7 @@ def main() -> None:
     out += ["", "Targets (issue: elastic pays for itself): median rollout -> train <= 1.0 s, train -> rollout "
             "<= 0.5 s. A switch's duration runs from the scheduler's switch_started to its switch_finished "
             "(the phases plus bookkeeping). The wall time of so short a job swings with the two cores' load "
-            "(a warm process that replaces a taken one imports while the others train).", ""]
+            "(a cold process imports while the others train).", ""]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(out))
     print("\n".join(out))

@@ -53,6 +53,8 @@ def replay_main(argv: Sequence[str]) -> int:
     p.add_argument("--max-paths", type=int, default=0, help="root-to-leaf paths kept per execution (0: all)")
     p.add_argument("--model", default="builtin-tiny", help="the policy to train (a name or checkpoint directory)")
     p.add_argument("--token-budget", type=int, default=16384, help="micro-batch size, tokens")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute decoder-layer activations in the backward (less memory per token)")
     p.add_argument("--data-dir", default="", help="where the services keep their state (default: a temp dir)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="longest wait for one step")
     args = p.parse_args(list(argv))
@@ -97,7 +99,8 @@ def _replay(args: argparse.Namespace, calls: list[Any], executions: dict[str, An
         traj = TrajectoryClient(up["trajectory"].address)
         trainer = TrainerClient(up["trainer"].address)
         trainer.start_job(TrainerJob(job_id=job_id, model=args.model, source="trajectory",
-                                     trajectory_address=up["trajectory"].address, num_steps=args.steps))
+                                     trajectory_address=up["trajectory"].address, num_steps=args.steps,
+                                     activation_checkpointing=args.activation_checkpointing))
         groups = {eid: e.group_id or eid for eid, e in executions.items()}
         for step in range(args.steps):
             t0 = time.perf_counter()

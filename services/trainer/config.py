@@ -27,6 +27,9 @@ class TrainerConfig(ServerConfig):
                                               "this long is gone: evicted once the core is done, and its work "
                                               "trained again; 0 = judge members only by member_timeout_s, seconds.")
     collective_timeout_s: float = setting(600.0, "Timeout of one all-reduce / process-group setup, seconds.")
+    activation_checkpointing: bool = setting(False, "Jobs that do not set it themselves recompute each decoder "
+                                                     "layer's activations in the backward instead of keeping them "
+                                                     "(less memory per micro-batch token, ~1 more forward).")
     publish_chunk_mb: int = setting(4, "Size of one WeightChunk when streaming weights, MiB.")
     replica: bool = setting(False, "Run as a data-parallel replica of the core at --core (no server).")
     core: str = setting("", "Replica mode: address host:port of the core trainer.")

@@ -87,6 +87,10 @@ class TrainerJob:
     """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto' on CUDA; larger ones
     go flex); this bounds the mask's memory, not the batch."""
 
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (less
+    memory per micro-batch token, about one more forward of compute)."""
+
     def __post_init__(self) -> None:
         if not self.job_id or "/" in self.job_id:
             raise ValueError(f"job_id must be non-empty and contain no '/', got {self.job_id!r}")

@@ -23,8 +23,11 @@ log = get_logger(__name__)
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, core: CoreTrainer, *, replicas: ReplicaProcesses | None = None,
-                 default_trajectory_address: str = "", chunk_bytes: int = 4 << 20) -> None:
+                 default_trajectory_address: str = "", chunk_bytes: int = 4 << 20,
+                 activation_checkpointing: bool = False) -> None:
         self.core = core
+        # the deployment's default for jobs that do not say (a job's own option wins)
+        self.activation_checkpointing = activation_checkpointing
         self.replicas = replicas
         self.default_trajectory_address = default_trajectory_address
         self.chunk_bytes = chunk_bytes
@@ -49,6 +52,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         spec.CopyFrom(request.job)
         if not spec.trajectory_address and (spec.source or "trajectory") == "trajectory":
             spec.trajectory_address = self.default_trajectory_address
+        if self.activation_checkpointing and "activation_checkpointing" not in spec.options:
+            spec.options["activation_checkpointing"] = "true"
         job = wire.job_from_proto(spec)
         status = self.core.status()
         if status["job_id"] == job.job_id and status["phase"] not in ("done", "failed", "stopped", "idle"):

@@ -221,11 +221,12 @@ class TreePolicy:
     ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask), "blocks" (block-sparse, any
     device) or "auto" (CUDA: sdpa up to ``max_dense_tokens``, flex above; CPU: blocks, but for
     batches of at most two blocks). The model's attn_implementation is switched per batch.
+    ``checkpoint_layers``: activation checkpointing of the decoder layers.
     """
 
     def __init__(self, model: torch.nn.Module, *, attention: str = "auto", temperature: float = 1.0,
                  max_dense_tokens: int = 8192, flex_block_size: int = 128, logits_chunk_tokens: int = 4096,
-                 sparse_block_tokens: int = 256) -> None:
+                 sparse_block_tokens: int = 256, checkpoint_layers: bool = False) -> None:
         if attention not in ("auto", "sdpa", "flex", "blocks"):
             raise ValueError(f"attention must be 'auto', 'sdpa', 'flex' or 'blocks', got {attention!r}")
         if temperature <= 0:
@@ -241,6 +242,15 @@ class TreePolicy:
         self.logits_chunk_tokens = logits_chunk_tokens
         self.decoder = model.get_decoder()  # type: ignore[operator]
         self.lm_head = model.get_output_embeddings()  # type: ignore[operator]
+        self.checkpoint_layers = checkpoint_layers
+        if checkpoint_layers:
+            # activation checkpointing of each decoder layer (training mode only): the backward
+            # recomputes a layer's activations from its input instead of keeping them, so a micro-
+            # batch holds one hidden state per layer, not every intermediate (non-reentrant, so
+            # the tree attention's keyword arguments reach the layer; nests with the block-sparse
+            # attention's own checkpoint)
+            model.activation_checkpointing_enable(  # type: ignore[operator]
+                activation_checkpointing_kwargs={"use_reentrant": False})
 
     @property
     def device(self) -> torch.device:

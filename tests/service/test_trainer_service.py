@@ -176,8 +176,10 @@ def test_bad_requests_get_precise_statuses(trainer: Trainer) -> None:
         c.stop_job("other")
     # options map (the scheduler's opaque algorithm settings) reaches the job config
     spec = trainer_pb2.TrainerJobSpec(job_id="j2", source="synthetic", options={"lr": "0.01", "tis_cap": "2",
-                                                                                 "num_steps": "1"})
+                                                                                 "num_steps": "1",
+                                                                                 "activation_checkpointing": "1"})
     started = c.start_job(spec)
     assert started.job_id == "j2"
     assert trainer.core.job.optim.lr == 0.01 and trainer.core.job.objective.tis_cap == 2.0
+    assert trainer.core.job.activation_checkpointing
     assert c.wait_step(0, timeout_s=60).finished

@@ -246,3 +246,33 @@ def test_auto_trains_past_the_dense_limit_on_cpu(model: torch.nn.Module, step: S
     assert torch.isfinite(lp).all()
     model.zero_grad(set_to_none=True)
     model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "blocks"])
+def test_activation_checkpointing_keeps_loss_and_gradients_and_saves_less(attention: str,
+                                                                          step: SyntheticStep) -> None:
+    """Decoder layers checkpointed: the same log-probs and parameter gradients, while autograd
+    keeps fewer bytes of activations for the backward (counted through saved-tensor hooks)."""
+    t = TreeTensors.from_batch(step.batches[0])
+    results = []
+    for checkpointing in (False, True):
+        net = build_model("tiny", seed=1)
+        net.train()
+        policy = TreePolicy(net, attention=attention, sparse_block_tokens=32, checkpoint_layers=checkpointing)
+        saved = [0]
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            saved[0] += x.numel() * x.element_size()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            lp, ent = policy.target_logprobs(t)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+        results.append((lp.detach(), grads, saved[0]))
+    (lp0, g0, saved0), (lp1, g1, saved1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and g0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert saved1 < 0.7 * saved0, (saved1, saved0)
