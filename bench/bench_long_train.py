@@ -8,7 +8,8 @@ micro-batch). Each measurement runs in a fresh process so its peak RSS is its ow
 1. Packed small trees (many executions, each a trunk with branches, as `make run` packs them):
    dense SDPA tree mask vs block-sparse, at 2K / 4K / 8K tokens (the baseline in the same run).
 2. One path (a single agent context, every token trainable) at 8K / 16K / 32K / 64K tokens with
-   the block-sparse backend: tokens/s and peak RSS; the dense mask where it fits (8K).
+   the block-sparse backend: tokens/s and peak RSS; the dense mask where it fits (8K); and trained
+   in chunks of 8K tokens (the trainer's chunk_tokens: exact gradient, activations of one chunk).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "long_train.md"
 FOREST = (2048, 4096, 8192)
 PATHS = (8192, 16384, 32768, 65536)
+CHUNK = 8192  # the trainer's default chunk_tokens
 
 
 def _measure(kind: str, tokens: int, attention: str) -> dict:
@@ -55,13 +57,18 @@ def _measure(kind: str, tokens: int, attention: str) -> dict:
                         target_index=idx, target_parent=idx - 1, target_ids=ids[1:],
                         old_logprobs=torch.zeros(n - 1), advantages=torch.ones(n - 1),
                         loss_weights=torch.full((n - 1,), 1.0 / (n - 1)), weight_version=torch.zeros(n - 1).long())
-    policy = TreePolicy(model, attention=attention, max_dense_tokens=1 << 30, sparse_block_tokens=256)
+    chunk = CHUNK if attention == "chunked" else 0
+    policy = TreePolicy(model, attention="blocks" if chunk else attention, max_dense_tokens=1 << 30,
+                        sparse_block_tokens=256, chunk_tokens=chunk)
     rounds = []
     for _ in range(2 if tokens <= 8192 else 1):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        lp, _ = policy.target_logprobs(t)
-        (lp * t.loss_weights).sum().backward()
+        if policy.chunked(t):
+            policy.train_chunked(t, lambda lp, _ent, sel: (lp * t.loss_weights[sel]).sum())
+        else:
+            lp, _ = policy.target_logprobs(t)
+            (lp * t.loss_weights).sum().backward()
         rounds.append(time.perf_counter() - t0)
     seconds = rounds[-1]
     return {"kind": kind, "tokens": t.num_tokens, "attention": attention, "seconds": seconds,
@@ -80,7 +87,8 @@ def _run(kind: str, tokens: int, attention: str) -> dict:
 
 def main() -> None:
     forest = [(n, _run("forest", n, "sdpa"), _run("forest", n, "blocks")) for n in FOREST]
-    paths = [(n, _run("path", n, "sdpa") if n <= 8192 else None, _run("path", n, "blocks")) for n in PATHS]
+    paths = [(n, _run("path", n, "sdpa") if n <= 8192 else None, _run("path", n, "blocks"),
+              _run("path", n, "chunked") if n > CHUNK else None) for n in PATHS]
     lines = [
         "# Long-path training (bench/bench_long_train.py)",
         "",
@@ -101,17 +109,21 @@ def main() -> None:
         "",
         "## One path (a single agent context, every token a target)",
         "",
-        "| depth (tokens) | block-sparse tok/s | block-sparse peak RSS MiB | dense tok/s | dense peak RSS MiB |",
-        "| --- | --- | --- | --- | --- |",
+        f"| depth (tokens) | block-sparse tok/s | block-sparse peak RSS MiB | in {CHUNK // 1024}K chunks tok/s | "
+        f"in {CHUNK // 1024}K chunks peak RSS MiB | dense tok/s | dense peak RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for n, d, b in paths:
+    for n, d, b, c in paths:
         dense = f"{d['tok_s']:.0f} | {d['peak_rss_mib']:.0f}" if d else "- (N x N mask not built) | -"
-        lines.append(f"| {n:,} | {b['tok_s']:.0f} | {b['peak_rss_mib']:.0f} | {dense} |")
+        chunked = f"{c['tok_s']:.0f} | {c['peak_rss_mib']:.0f}" if c else "- (one chunk) | -"
+        lines.append(f"| {n:,} | {b['tok_s']:.0f} | {b['peak_rss_mib']:.0f} | {chunked} | {dense} |")
     lines += [
         "",
         "A path costs its causal triangle in blocks (half the square), so tokens/s falls with depth as attention "
-        "grows; memory grows linearly (activations of each token, no N x N tensor). 128K was not run: about "
-        "20 minutes of one core at this rate (attention grows with the square of depth).",
+        "grows; memory grows linearly (activations of each token, no N x N tensor). In chunks, the activations "
+        "are one chunk's: what grows with depth is the keys/values kept for the later chunks (and their "
+        "gradients), 2 x layers x kv width per token, and the chunks cost one more forward. 128K was not run: "
+        "about 20 minutes of one core at this rate (attention grows with the square of depth).",
         "",
     ]
     RESULTS.write_text("\n".join(lines))

@@ -48,7 +48,8 @@ def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
     model = build_model(job.model, dtype=torch.float32, device=device, seed=job.seed,
                         attention="flex" if job.attention == "flex" else "sdpa", model_cache_dir=job.model_cache_dir)
     policy = TreePolicy(model, attention=job.attention, temperature=job.temperature,
-                        max_dense_tokens=job.max_dense_tokens, checkpoint_layers=job.activation_checkpointing)
+                        max_dense_tokens=job.max_dense_tokens, checkpoint_layers=job.activation_checkpointing,
+                        chunk_tokens=job.chunk_tokens)
     ref = None
     if job.kl_reference == "initial" and job.objective.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval()

@@ -87,6 +87,10 @@ class TrainerJob:
     """Largest micro-batch (tokens) the dense SDPA tree mask is used for ('auto' on CUDA; larger ones
     go flex); this bounds the mask's memory, not the batch."""
 
+    chunk_tokens: int = 8192
+    """A micro-batch longer than this trains in chunks of about this many tokens with the exact
+    gradient (keys/values of the earlier chunks kept, their gradients sent back; one more forward):
+    activation memory follows the chunk, not the batch or the depth of its paths (0: never)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (less
     memory per micro-batch token, about one more forward of compute)."""
@@ -114,6 +118,8 @@ class TrainerJob:
             raise ValueError("source 'trajectory' needs trajectory_address")
         if not (self.source == "trajectory" or self.source.startswith("synthetic")):
             raise ValueError(f"source must be 'trajectory' or 'synthetic:k=v,...', got {self.source!r}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0 (0: never chunk), got {self.chunk_tokens}")
         if self.max_dense_tokens < 1:
             raise ValueError(f"max_dense_tokens must be >= 1, got {self.max_dense_tokens}")
 

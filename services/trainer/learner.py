@@ -135,6 +135,8 @@ class Learner:
         t = TreeTensors.from_batch(batch, self.policy.device)
         self.model.train()
         device_type = self.policy.device.type
+        if self.policy.chunked(t):
+            return self._train_chunked(batch, t, commit, start)
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             logp, ent = self.policy.target_logprobs(t)
             ref = None
@@ -156,6 +158,42 @@ class Learner:
         s.staleness_hist = s.staleness_hist + staleness_counts(staleness(batch, self.version))
         s.ratio_max = max(s.ratio_max, float(out.ratio_max))
         s.ratio_min = min(s.ratio_min, float(out.ratio_min))
+        return True
+
+    def _train_chunked(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool] | None,
+                       start: float) -> bool:
+        """``train`` for a batch longer than the policy's ``chunk_tokens``: the same gradient sum and
+        statistics, one chunk's activations at a time (``TreePolicy.train_chunked``)."""
+        device_type = self.policy.device.type
+        autocast = dict(dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
+        ref = None
+        if self.ref_policy is not None:
+            with torch.no_grad(), torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
+                ref, _ = self.ref_policy.target_logprobs(t)  # no graph: activations of one layer at a time
+        sums: dict[str, float] = {}
+        extrema = [-math.inf, math.inf]
+
+        def loss_of(lp: torch.Tensor, ent: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+            out = policy_loss(lp, t.old_logprobs[sel], t.advantages[sel], t.loss_weights[sel], config=self.objective,
+                              entropy=ent, ref_logprobs=None if ref is None else ref[sel])
+            for k, v in out.sums.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            extrema[0], extrema[1] = max(extrema[0], float(out.ratio_max)), min(extrema[1], float(out.ratio_min))
+            return out.loss
+
+        with torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
+            done = self.policy.train_chunked(t, loss_of, before_backward=commit)
+        self.compute_s += time.perf_counter() - start
+        if done is None:
+            return False
+        s = self.stats
+        for k, v in sums.items():
+            s.sums[k] += v
+        s.counts["tokens"] += t.num_tokens
+        s.counts["micro_batches"] += 1
+        s.staleness_hist = s.staleness_hist + staleness_counts(staleness(batch, self.version))
+        s.ratio_max = max(s.ratio_max, extrema[0])
+        s.ratio_min = min(s.ratio_min, extrema[1])
         return True
 
     # -- gradient buffers for the all-reduce ------------------------------------------------------

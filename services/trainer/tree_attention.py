@@ -96,15 +96,25 @@ def _block(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, subtree_
 
 
 def tree_block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: TreeBlocks,
-                         scale: float) -> torch.Tensor:
-    """``[1, heads, N, d]`` queries over ``[1, kv_heads, N, d]`` keys/values under the tree mask."""
+                         scale: float, q_offset: int = 0) -> torch.Tensor:
+    """``[1, heads, Q, d]`` queries over ``[1, kv_heads, K, d]`` keys/values under the tree mask.
+
+    The queries are tokens ``[q_offset, q_offset + Q)`` of the forest and the keys its first
+    ``K = q_offset + Q`` tokens (all of them: ``q_offset`` 0; a chunk of a long batch: its own and
+    every earlier token's, see ``TreePolicy``); ``q_offset`` is a multiple of the block size."""
     gqa = query.shape[1] != key.shape[1]
     b = blocks.block_size
+    if q_offset % b or key.shape[2] != q_offset + query.shape[2]:
+        raise ValueError(f"queries at {q_offset} (+{query.shape[2]}) need keys of the {q_offset + query.shape[2]} "
+                         f"tokens up to their end and a block-aligned start (block {b}); got {key.shape[2]} keys")
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     outs = []
-    for q, runs in enumerate(blocks.runs):  # a loop over blocks of tokens, not over tokens
+    first = q_offset // b
+    last = -(-(q_offset + query.shape[2]) // b)
+    for q in range(first, last):  # a loop over blocks of tokens, not over tokens
+        runs = blocks.runs[q]
         qs = q * b
-        q_blk = query[:, :, qs:qs + b]
+        q_blk = query[:, :, qs - q_offset:qs - q_offset + b]
         if grad:
             outs.append(checkpoint(_block, q_blk, key, value, blocks.subtree_end, runs, qs, scale, gqa,
                                    use_reentrant=False))
@@ -113,16 +123,36 @@ def tree_block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return torch.cat(outs, dim=2)
 
 
+@dataclass
+class ChunkKV:
+    """Keys/values across the chunks of one long micro-batch (``TreePolicy``'s chunked training):
+    ``past[layer]`` = (keys, values) of every token before the chunk, prepended to the chunk's own;
+    the attention stores the chunk's own (post-RoPE, before any GQA repeat) in ``own[layer]``."""
+
+    past: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    own: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-               gyre_tree_blocks: TreeBlocks | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function; the forward must be given ``gyre_tree_blocks=``."""
+               gyre_tree_blocks: TreeBlocks | None = None, gyre_chunk_kv: ChunkKV | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function; the forward must be given ``gyre_tree_blocks=`` (and, for a
+    chunk of a long batch, ``gyre_chunk_kv=``)."""
     if gyre_tree_blocks is None:
         raise ValueError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs gyre_tree_blocks=tree_blocks(...)")
     if query.shape[0] != 1:
         raise ValueError("tree attention runs one packed forest at a time (batch size 1)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = tree_block_attention(query, key, value, gyre_tree_blocks, scale)
+    offset = 0
+    if gyre_chunk_kv is not None:
+        layer = int(getattr(module, "layer_idx"))
+        gyre_chunk_kv.own[layer] = (key, value)
+        past = gyre_chunk_kv.past.get(layer)
+        if past is not None and past[0].shape[2]:
+            offset = past[0].shape[2]
+            key, value = torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
+    out = tree_block_attention(query, key, value, gyre_tree_blocks, scale, q_offset=offset)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -136,4 +166,4 @@ def register_block_attention() -> None:
         _REGISTERED = True
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "TreeBlocks", "tree_blocks", "tree_block_attention", "register_block_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "ChunkKV", "TreeBlocks", "tree_blocks", "tree_block_attention", "register_block_attention"]

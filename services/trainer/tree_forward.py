@@ -29,6 +29,7 @@ computed in chunks of ``logits_chunk_tokens`` targets under activation checkpoin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from services.trainer.batch import PackedBatchLike
 from services.trainer.tree_attention import ATTN_IMPLEMENTATION as BLOCKS_IMPLEMENTATION
-from services.trainer.tree_attention import register_block_attention, tree_blocks
+from services.trainer.tree_attention import ChunkKV, register_block_attention, tree_blocks
 
 _REGISTERED = False
 _COMPILED_FLEX: Any = None
@@ -221,12 +222,13 @@ class TreePolicy:
     ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask), "blocks" (block-sparse, any
     device) or "auto" (CUDA: sdpa up to ``max_dense_tokens``, flex above; CPU: blocks, but for
     batches of at most two blocks). The model's attn_implementation is switched per batch.
-    ``checkpoint_layers``: activation checkpointing of the decoder layers.
+    ``checkpoint_layers``: activation checkpointing of the decoder layers. ``chunk_tokens``: a
+    batch longer than this trains in chunks (``train_chunked``; 0: never).
     """
 
     def __init__(self, model: torch.nn.Module, *, attention: str = "auto", temperature: float = 1.0,
                  max_dense_tokens: int = 8192, flex_block_size: int = 128, logits_chunk_tokens: int = 4096,
-                 sparse_block_tokens: int = 256, checkpoint_layers: bool = False) -> None:
+                 sparse_block_tokens: int = 256, checkpoint_layers: bool = False, chunk_tokens: int = 0) -> None:
         if attention not in ("auto", "sdpa", "flex", "blocks"):
             raise ValueError(f"attention must be 'auto', 'sdpa', 'flex' or 'blocks', got {attention!r}")
         if temperature <= 0:
@@ -243,6 +245,11 @@ class TreePolicy:
         self.decoder = model.get_decoder()  # type: ignore[operator]
         self.lm_head = model.get_output_embeddings()  # type: ignore[operator]
         self.checkpoint_layers = checkpoint_layers
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0 (0: never chunk), got {chunk_tokens}")
+        # a batch longer than this trains in chunks of it (whole attention blocks), see train_chunked
+        self.chunk_tokens = 0 if chunk_tokens == 0 else max(sparse_block_tokens,
+                                                            chunk_tokens // sparse_block_tokens * sparse_block_tokens)
         if checkpoint_layers:
             # activation checkpointing of each decoder layer (training mode only): the backward
             # recomputes a layer's activations from its input instead of keeping them, so a micro-
@@ -293,6 +300,85 @@ class TreePolicy:
         hidden = self.hidden_states(t)
         return head_logprobs(self.lm_head, hidden[t.target_parent], t.target_ids,
                              temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
+
+    # -- long batches in chunks ---------------------------------------------------------------------
+    def chunked(self, t: TreeTensors) -> bool:
+        """Whether ``t`` trains in chunks (longer than ``chunk_tokens``)."""
+        return self.chunk_tokens > 0 and t.num_tokens > self.chunk_tokens
+
+    def _chunk(self, t: TreeTensors, s: int, e: int, blocks: Any, kv: ChunkKV) -> torch.Tensor:
+        """Last hidden states [e - s, H] of tokens [s, e), attending to ``kv.past`` (tokens < s)."""
+        out = self.decoder(input_ids=t.input_ids[None, s:e], position_ids=t.position_ids[None, s:e],
+                           attention_mask=None, use_cache=False, gyre_tree_blocks=blocks, gyre_chunk_kv=kv)
+        return out.last_hidden_state[0]
+
+    def train_chunked(self, t: TreeTensors, loss_of: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                      *, before_backward: Callable[[], bool] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Accumulate the gradient of a batch longer than ``chunk_tokens``, exactly, holding the
+        activations of one chunk at a time; returns the targets' (logprobs, entropy), detached.
+
+        The batch is cut into chunks along its token order (DFS: every token's ancestors come
+        before it). First pass, without autograd: each chunk's keys/values in every layer, given
+        all earlier ones (the KV of the whole batch is kept: ``2 x layers x kv_width`` per token).
+        Second pass, last chunk first: the chunk again with autograd, its keys/values attending to
+        the earlier tokens' as leaves; backward of ``loss_of(logprobs, entropy, targets)`` of the
+        targets whose parent is in the chunk, plus what later chunks sent back to this chunk's
+        keys/values; the leaves' gradients are added to what the earlier chunks will send. Since
+        the loss is a sum over targets, the parameter gradient equals the unchunked batch's, at
+        the cost of one more forward. ``before_backward`` runs between the passes (the queue's
+        ack): False leaves the gradient sums untouched and returns None."""
+        b = self.sparse_block_tokens
+        n, c = t.num_tokens, self.chunk_tokens
+        blocks = tree_blocks(t.subtree_end, block_size=b)
+        if self.model.config._attn_implementation != BLOCKS_IMPLEMENTATION:  # type: ignore[union-attr]
+            self.model.set_attn_implementation(BLOCKS_IMPLEMENTATION)  # type: ignore[operator]
+        bounds = [(s, min(s + c, n)) for s in range(0, n, c)]
+        keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> ([1, kv_heads, N, d] x 2)
+        with torch.no_grad():
+            for s, e in bounds:
+                kv = ChunkKV(past={layer: (k[:, :, :s], v[:, :, :s]) for layer, (k, v) in keys.items()}, own={})
+                self._chunk(t, s, e, blocks, kv)
+                for layer, (k, v) in kv.own.items():
+                    if layer not in keys:
+                        shape = (k.shape[0], k.shape[1], n, k.shape[3])
+                        keys[layer] = (k.new_empty(shape), v.new_empty(shape))
+                    keys[layer][0][:, :, s:e] = k
+                    keys[layer][1][:, :, s:e] = v
+        if before_backward is not None and not before_backward():
+            return None
+        sent = {layer: (torch.zeros_like(k), torch.zeros_like(v)) for layer, (k, v) in keys.items()}
+        logp = torch.zeros(t.num_targets, device=t.input_ids.device)
+        entropy = torch.zeros(t.num_targets, device=t.input_ids.device)
+        parent = t.target_parent
+        for s, e in reversed(bounds):
+            past = {layer: (k[:, :, :s].detach().requires_grad_(True), v[:, :, :s].detach().requires_grad_(True))
+                    for layer, (k, v) in keys.items()} if s > 0 else {}
+            kv = ChunkKV(past=past, own={})
+            hidden = self._chunk(t, s, e, blocks, kv)
+            outputs: list[torch.Tensor] = []
+            grads: list[torch.Tensor | None] = []
+            sel = torch.nonzero((parent >= s) & (parent < e)).squeeze(1)
+            if sel.numel():
+                lp, ent = head_logprobs(self.lm_head, hidden[parent[sel] - s], t.target_ids[sel],
+                                        temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
+                loss = loss_of(lp, ent, sel)
+                logp[sel], entropy[sel] = lp.detach().float(), ent.detach().float()
+                if loss.requires_grad:
+                    outputs.append(loss)
+                    grads.append(None)
+            if e < n:  # what the later chunks' losses send back through this chunk's keys/values
+                for layer, (k, v) in kv.own.items():
+                    outputs += [k, v]
+                    grads += [sent[layer][0][:, :, s:e], sent[layer][1][:, :, s:e]]
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            for layer, (pk, pv) in past.items():
+                if pk.grad is not None:
+                    sent[layer][0][:, :, :s] += pk.grad
+                if pv.grad is not None:
+                    sent[layer][1][:, :, :s] += pv.grad
+        return logp, entropy
 
     def path_logprobs(self, paths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Per-path causal baseline: [P, L] right-padded paths -> log-prob of token k given < k, [P, L-1].

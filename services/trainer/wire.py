@@ -103,7 +103,8 @@ def job_to_proto(job: TrainerJob) -> trainer_pb2.TrainerJobSpec:
         checkpoint_dir=job.checkpoint_dir, checkpoint_every=job.checkpoint_every,
         checkpoint_keep=job.checkpoint_keep, no_resume=not job.resume, max_dense_tokens=job.max_dense_tokens,
         options={"model_cache_dir": job.model_cache_dir,
-                 "activation_checkpointing": str(job.activation_checkpointing).lower()})
+                 "activation_checkpointing": str(job.activation_checkpointing).lower(),
+                 "chunk_tokens": str(job.chunk_tokens)})
 
 
 def chunk_to_dict(c: common_pb2.WeightChunk) -> dict[str, Any]:

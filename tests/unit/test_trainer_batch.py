@@ -13,6 +13,7 @@ from services.trainer.batch import validate_batch
 from services.trainer.core import build_learner
 from services.trainer.job import TrainerJob
 from services.trainer.synthetic import make_step
+from services.trainer.tree_forward import TreeTensors
 from services.trajectory.packing import PackedBatch
 
 torch.set_num_threads(1)
@@ -109,3 +110,29 @@ def test_learner_rejects_before_touching_gradients(batch: PackedBatch) -> None:
     assert not learner.train(batch, commit=lambda: False)
     assert all(torch.equal(a, p.grad) for a, p in zip(before, learner.params))
     assert learner.stats.counts["micro_batches"] == 1
+
+
+def test_learner_trains_a_long_batch_in_chunks_to_the_same_sums(batch: PackedBatch) -> None:
+    """A job's chunk_tokens below the batch's length: the learner trains it in chunks and reaches
+    the same gradient sums and step statistics as in one piece; a refused ack still leaves none."""
+    results = []
+    for chunk in (0, 64):
+        job = TrainerJob(job_id="j", model="tiny", source="synthetic", attention="blocks", chunk_tokens=chunk,
+                         objective=dataclasses.replace(TrainerJob(job_id="j", source="synthetic").objective,
+                                                       entropy_coef=0.01))
+        learner = build_learner(job, "cpu")
+        learner.policy.sparse_block_tokens, learner.policy.chunk_tokens = 32, chunk  # this batch is small
+        learner.begin_step(3, 0)
+        assert learner.policy.chunked(TreeTensors.from_batch(batch)) == (chunk > 0)
+        assert learner.train(batch)
+        results.append(({n: p.grad.clone() for n, p in learner.model.named_parameters()},
+                        dict(learner.stats.sums), learner.stats.ratio_max, learner.stats.counts["tokens"]))
+        before = [p.grad.clone() for p in learner.params]  # type: ignore[union-attr]
+        assert not learner.train(batch, commit=lambda: False)
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, learner.params))
+    (g0, s0, r0, n0), (g1, s1, r1, n1) = results
+    assert n0 == n1 == len(batch.input_ids) and r1 == pytest.approx(r0, rel=1e-5)
+    for k in s0:
+        assert s1[k] == pytest.approx(s0[k], rel=1e-4, abs=1e-7), k
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)

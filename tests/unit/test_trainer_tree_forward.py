@@ -276,3 +276,53 @@ def test_activation_checkpointing_keeps_loss_and_gradients_and_saves_less(attent
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-5, msg=name)
     assert saved1 < 0.7 * saved0, (saved1, saved0)
+
+
+def _chain(n: int, seed: int = 0) -> TreeTensors:
+    """One path of ``n`` tokens, every token after the first a target with random weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 512, (n,), generator=g)
+    tgt = torch.arange(1, n)
+    return TreeTensors(input_ids=ids, position_ids=torch.arange(n), subtree_end=torch.full((n,), n),
+                       target_index=tgt, target_parent=tgt - 1, target_ids=ids[1:],
+                       old_logprobs=-torch.rand(n - 1, generator=g) * 5, advantages=torch.randn(n - 1, generator=g),
+                       loss_weights=torch.rand(n - 1, generator=g) / n,
+                       weight_version=torch.zeros(n - 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("kind,chunk", [("path", 128), ("path", 192), ("forest", 64)])
+def test_chunked_training_equals_the_whole_batch(kind: str, chunk: int, step: SyntheticStep) -> None:
+    """A batch trained in chunks (the second pass sends each chunk's key/value gradients back to
+    the earlier chunks) gives the whole batch's log-probs and every parameter gradient, on one long
+    path and on a packed forest of branching trees (targets whose parent sits in an earlier chunk)."""
+    t = _chain(700) if kind == "path" else TreeTensors.from_batch(step.batches[0])
+    assert t.num_tokens > 2 * chunk
+    net = build_model("tiny", seed=3)
+    net.train()
+    cfg = ObjectiveConfig(entropy_coef=0.01)
+
+    def loss_of(lp: torch.Tensor, ent: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        return policy_loss(lp, t.old_logprobs[sel], t.advantages[sel], t.loss_weights[sel], config=cfg,
+                           entropy=ent).loss
+
+    whole = TreePolicy(net, attention="blocks", sparse_block_tokens=32)
+    lp, ent = whole.target_logprobs(t)
+    loss_of(lp, ent, torch.arange(t.num_targets)).backward()
+    ref = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad(set_to_none=True)
+
+    policy = TreePolicy(net, attention="blocks", sparse_block_tokens=32, chunk_tokens=chunk)
+    assert policy.chunked(t) and policy.chunk_tokens % 32 == 0
+    got = policy.train_chunked(t, loss_of)
+    assert got is not None
+    torch.testing.assert_close(got[0], lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], ent.detach(), rtol=1e-5, atol=1e-5)
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref.keys() and ref
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    net.zero_grad(set_to_none=True)
+    # the queue refusing the batch between the passes leaves no gradient behind
+    assert policy.train_chunked(t, loss_of, before_backward=lambda: False) is None
+    assert all(p.grad is None for p in net.parameters())
+    net.set_attn_implementation("sdpa")
