@@ -10,8 +10,10 @@ Splitting (``split_tree``): a tree larger than the budget is cut into contiguous
 (DFS property), so a chunk is its range plus the root path of ``a`` as non-trainable context:
 ``depth(a) + (b - a)`` tokens. Cuts prefer starts of branches (shallow context) and otherwise
 cut inside a run; the context copies are the split overhead (``Chunk.context``). A path deeper
-than the budget cannot be split (a token needs its whole context in one forward): such a chunk
-exceeds the budget and is packed alone.
+than the budget cannot be split this way (its deepest token needs the whole path as context):
+such a chunk exceeds the budget and is packed alone, and the trainer trains it in pieces of its
+``chunk_tokens`` (the keys/values of earlier pieces kept, their gradients sent back: the same
+gradient, activations of one piece; ``TreePolicy.train_chunked``).
 
 Packing (``pack_chunks``): first-fit decreasing into bins of ``token_budget``.
 
