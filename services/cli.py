@@ -17,6 +17,7 @@
     gyre run --compare [...]                  the three modes on the same job
     gyre trajectory stats --records FILE.jsonl [--max-paths K]
     gyre replay --records FILE.jsonl [--max-paths N] [--steps N]
+    gyre replay --trace FILE.jsonl [--time-scale X] [gyre run flags] [--JOB-FIELD value ...]
                                               train on recorded executions (trajectory + trainer, no engine)
     gyre bench scheduler --trace FILE.jsonl --cells N [...] [--json]
 
@@ -291,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.sim_cli import bench_main
 
         return bench_main(argv[2:])
+    if argv[:1] == ["replay"] and "--trace" in argv:
+        from services.replay_trace import trace_main
+
+        return trace_main(argv[1:])
     if argv[:1] == ["replay"]:
         from services.replay import replay_main
 
@@ -365,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run the main job (see `gyre run --help`)")
     sub.add_parser("trajectory", help="`gyre trajectory stats --records FILE.jsonl [--max-paths K]`")
     sub.add_parser("replay", help="train on recorded TITO executions, no engine "
-                                  "(`gyre replay --records FILE.jsonl [--max-paths N] [--steps N]`)")
+                                  "(`gyre replay --records FILE.jsonl [--max-paths N] [--steps N]`), or play a "
+                                  "trace's executions on the live stack (`gyre replay --trace FILE.jsonl`)")
     sub.add_parser("bench", help="`gyre bench scheduler --trace FILE.jsonl --cells N [--json]`")
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_extra", False):

@@ -3,12 +3,21 @@
 One execution per line::
 
     {"step": int, "group": str, "execution_id": str,
-     "turns": [{"prompt_tokens": int, "gen_tokens": int, "env_s": float}, ...],
+     "turns": [{"prompt_tokens": int, "gen_tokens": int, "env_s": float,
+                "agent": str?, "role": "main" | "subagent" | "summary"?, "compact_to": int?}, ...],
      "timeout_s": float?}
 
 ``prompt_tokens`` is the new context a turn appends (prefill), ``gen_tokens`` what the model
 generates, ``env_s`` the tool time after the model call. Steps must be 0..S-1 with none empty;
 execution ids are unique. The generator lives in ``bench/traces/generate.py``.
+
+The optional per-turn fields (``gyre replay --trace`` plays them on the live stack, see
+docs/replay.md) say whose context a turn extends: ``agent`` (default "main"; every agent keeps
+its own context), ``role`` (default "main" for the agent "main", else "subagent"; "summary" for a
+compaction's summarizer, which reads the main context) and, on a summary turn only,
+``compact_to``: the main context restarts from the system prompt plus the first ``compact_to``
+tokens of the summary (at most its ``gen_tokens``, and shorter than the main context it replaces).
+Any other field is an error naming the line (and the turn).
 """
 
 from __future__ import annotations
@@ -35,6 +44,11 @@ class TraceExecution:
     gen_tokens: np.ndarray  # int64 per turn
     env_s: np.ndarray  # float64 per turn
     timeout_s: float | None = None
+    # per turn (replay): whose context it extends, its role, and what a compaction keeps (-1: none);
+    # None: every turn the main agent's
+    agents: tuple[str, ...] | None = None
+    roles: tuple[str, ...] | None = None
+    compact_to: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_tokens)
@@ -63,19 +77,74 @@ class TraceExecution:
         return min(latency, self.timeout_s) if self.timeout_s is not None else latency
 
 
+EXECUTION_FIELDS = frozenset({"step", "group", "execution_id", "turns", "timeout_s"})
+TURN_FIELDS = frozenset({"prompt_tokens", "gen_tokens", "env_s", "agent", "role", "compact_to"})
+ROLES = ("main", "subagent", "summary")
+
+
+def _turn_meta(turns: list, gen: np.ndarray, prompt: np.ndarray
+               ) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None, np.ndarray | None]:
+    """The optional per-turn fields, checked (None when no turn has any)."""
+    if not any(("agent" in t or "role" in t or "compact_to" in t) for t in turns):
+        return None, None, None
+    agents, roles, keep = [], [], np.full(len(turns), -1, dtype=np.int64)
+    main = 0  # tokens of the main context since its last compaction
+    for k, t in enumerate(turns):
+        agent = t.get("agent", "main")
+        if not isinstance(agent, str) or not agent or len(agent) > 64 or "/" in agent:
+            raise ValueError(f"turn {k}: agent must be a name of 1-64 characters without '/', got {agent!r}")
+        role = t.get("role", "main" if agent == "main" else "subagent")
+        if role not in ROLES:
+            raise ValueError(f"turn {k}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        if (role == "main") != (agent == "main"):
+            raise ValueError(f"turn {k}: the agent 'main' and only it has the role 'main' (agent {agent!r}, "
+                             f"role {role!r})")
+        if role == "main":
+            main += int(prompt[k] + gen[k])
+        if "compact_to" in t:
+            c = int(t["compact_to"])
+            if role != "summary":
+                raise ValueError(f"turn {k}: compact_to is only for summary turns (role {role!r})")
+            if c < 0 or c > gen[k]:
+                raise ValueError(f"turn {k}: compact_to {c} must keep between 0 and the summary's {gen[k]} "
+                                 f"gen_tokens")
+            if c >= main:
+                raise ValueError(f"turn {k}: compact_to {c} is not shorter than the main context it compacts "
+                                 f"({main} tokens)")
+            keep[k], main = c, c
+        agents.append(agent)
+        roles.append(role)
+    return tuple(agents), tuple(roles), keep
+
+
 def parse_execution(obj: dict, where: str = "") -> TraceExecution:
     """Build one execution from a decoded JSON line; ValueError names the bad field."""
     try:
+        unknown = sorted(set(obj) - EXECUTION_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r} (an execution has {', '.join(sorted(EXECUTION_FIELDS))})")
         turns = obj["turns"]
         if not isinstance(turns, list) or not turns:
             raise ValueError("'turns' must be a non-empty list")
+        for k, t in enumerate(turns):
+            if not isinstance(t, dict):
+                raise ValueError(f"turn {k} must be a JSON object")
+            bad = sorted(set(t) - TURN_FIELDS)
+            if bad:
+                raise ValueError(f"turn {k}: unknown field {bad[0]!r} (a turn has {', '.join(sorted(TURN_FIELDS))})")
         prompt = np.array([int(t["prompt_tokens"]) for t in turns], dtype=np.int64)
         gen = np.array([int(t["gen_tokens"]) for t in turns], dtype=np.int64)
         env = np.array([float(t["env_s"]) for t in turns], dtype=np.float64)
         timeout = obj.get("timeout_s")
-        return TraceExecution(step=int(obj["step"]), group=str(obj["group"]), execution_id=str(obj["execution_id"]),
+        eid = str(obj["execution_id"])
+        if (prompt < 0).any() or (gen < 0).any():
+            k = int(np.flatnonzero((prompt < 0) | (gen < 0))[0])
+            raise ValueError(f"turn {k}: prompt_tokens and gen_tokens must be >= 0")
+        agents, roles, keep = _turn_meta(turns, gen, prompt)
+        return TraceExecution(step=int(obj["step"]), group=str(obj["group"]), execution_id=eid,
                               prompt_tokens=prompt, gen_tokens=gen, env_s=env,
-                              timeout_s=None if timeout is None else float(timeout))
+                              timeout_s=None if timeout is None else float(timeout),
+                              agents=agents, roles=roles, compact_to=keep)
     except KeyError as exc:
         raise ValueError(f"trace{where}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:
@@ -117,8 +186,13 @@ def load_trace(path: str | Path) -> list[TraceExecution]:
 
 
 def dump_execution(e: TraceExecution) -> str:
-    turns = [{"prompt_tokens": int(p), "gen_tokens": int(g), "env_s": round(float(s), 2)}
-             for p, g, s in zip(e.prompt_tokens, e.gen_tokens, e.env_s, strict=True)]
+    turns: list[dict[str, object]] = [{"prompt_tokens": int(p), "gen_tokens": int(g), "env_s": round(float(s), 2)}
+                                      for p, g, s in zip(e.prompt_tokens, e.gen_tokens, e.env_s, strict=True)]
+    if e.agents is not None and e.roles is not None and e.compact_to is not None:
+        for t, agent, role, keep in zip(turns, e.agents, e.roles, e.compact_to, strict=True):
+            t.update(agent=agent, role=role)
+            if keep >= 0:
+                t["compact_to"] = int(keep)
     obj: dict = {"step": e.step, "group": e.group, "execution_id": e.execution_id, "turns": turns}
     if e.timeout_s is not None:
         obj["timeout_s"] = e.timeout_s
