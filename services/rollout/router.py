@@ -9,7 +9,10 @@ Each registered ROLLOUT cell is an ``EngineEntry``. ``Router.pick`` chooses the 
   shrinks and the scheduler can drain them; they still serve when nothing else can;
 - calls of the same agent context ``(execution_id, agent_id)`` stick to the engine that served
   them last, so the engine's prefix cache sees the growing context again - unless that engine
-  is more than ``sticky_slack`` calls busier than the least loaded one;
+  is more than ``sticky_slack`` calls busier than the least loaded one; the first call of a new
+  agent of a known execution goes (within the same slack) to the engine of that execution's
+  latest call: its system prompt is cached there, and a summary call reads the context it
+  compacts (an XLong replay prefilled 1.54x its unique tokens when such calls went elsewhere);
 - otherwise the least loaded engine wins: load = calls this gateway has in flight there, plus
   the engine's own KV fill fraction from the last probe as a tie-breaker; equal loads rotate.
 
@@ -75,6 +78,8 @@ class Router:
         self.max_sticky_keys = max_sticky_keys
         self._engines: dict[str, EngineEntry] = {}
         self._sticky: OrderedDict[StickyKey, str] = OrderedDict()
+        # the engine of each execution's latest call: where a new agent of that execution starts
+        self._exec: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self._rotation = itertools.count()
         self._cordoned: frozenset[str] = frozenset()
@@ -184,7 +189,10 @@ class Router:
             best_score = min(e.score() for e in candidates)
             chosen: EngineEntry | None = None
             if key is not None and key[0]:
-                sticky = self._engines.get(self._sticky.get(key, ""))
+                # an agent's own engine holds its context's KV; a new agent of a known execution
+                # starts where that execution's contexts are (the system prompt is cached there, and
+                # a summary call reads the context it compacts)
+                sticky = self._engines.get(self._sticky.get(key) or self._exec.get(key[0], ""))
                 if sticky is not None and any(c is sticky for c in candidates) and \
                         sticky.in_flight <= int(best_score) + self.sticky_slack:
                     chosen = sticky
@@ -193,11 +201,19 @@ class Router:
                 chosen = best[next(self._rotation) % len(best)]
             chosen.in_flight += 1
             if key is not None and key[0]:
-                self._sticky[key] = chosen.cell_id
-                self._sticky.move_to_end(key)
-                while len(self._sticky) > self.max_sticky_keys:
-                    self._sticky.popitem(last=False)
+                self._bind(key, chosen.cell_id)
             return chosen
+
+    def _bind(self, key: StickyKey, cell_id: str) -> None:
+        """(caller holds the lock)"""
+        self._sticky[key] = cell_id
+        self._sticky.move_to_end(key)
+        self._exec[key[0]] = cell_id
+        self._exec.move_to_end(key[0])
+        while len(self._sticky) > self.max_sticky_keys:
+            self._sticky.popitem(last=False)
+        while len(self._exec) > self.max_sticky_keys:
+            self._exec.popitem(last=False)
 
     def plan(self, count: int, *, exclude: Iterable[str] = ()) -> list[str]:
         """Targets for ``count`` requests leaving an engine: each to the least loaded ready engine,
@@ -234,5 +250,4 @@ class Router:
             return
         with self._lock:
             if cell_id in self._engines:
-                self._sticky[key] = cell_id
-                self._sticky.move_to_end(key)
+                self._bind(key, cell_id)

@@ -33,6 +33,19 @@ def test_router_is_load_aware_and_sticky_within_slack() -> None:
     assert r.get(first).in_flight == 2
 
 
+def test_a_new_agent_of_an_execution_starts_on_that_executions_engine() -> None:
+    """A sub-agent's or a summarizer's first call goes where its execution's contexts are cached
+    (within the slack), then sticks to its own engine like any agent."""
+    r = Router(sticky_slack=1)
+    r.register("a", "h:1")
+    r.register("b", "h:2")
+    main = r.pick(("ex", "main")).cell_id
+    other = "b" if main == "a" else "a"
+    assert r.pick(("ex", "summarizer")).cell_id == main  # 1 vs 0: within the slack
+    assert r.pick(("ex", "search")).cell_id == other  # 2 vs 0: beyond it, the least loaded
+    assert r.pick(("ex", "search")).cell_id == other  # and its own engine from then on
+
+
 def test_router_skips_draining_and_dead_engines_and_revives_on_probe() -> None:
     r = Router()
     r.register("a", "h:1")
