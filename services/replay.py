@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-USAGE = "gyre replay --records FILE.jsonl [--max-paths N] [--steps N] [--model SPEC] [--token-budget N]"
+USAGE = ("gyre replay --records FILE.jsonl [--max-paths N] [--steps N] [--model SPEC] [--token-budget N]\n"
+         "       gyre replay --trace FILE.jsonl [--time-scale X] ...  (a trace on the live stack: gyre replay "
+         "--trace x --help)")
 
 
 def _peak_rss_mib(pid: int) -> float | None:

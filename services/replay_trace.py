@@ -62,6 +62,9 @@ def trace_main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"gyre replay: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"gyre replay: cannot read the trace {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     from services.run import run_job
 
     from services.common.logging import setup_logging

@@ -64,3 +64,6 @@ def test_a_bad_trace_is_one_sentence_naming_its_line_and_starts_nothing(tmp_path
         err = proc.stderr.strip()
         assert len(err.splitlines()) == 1 and f"{trace}:1" in err and says in err, (name, err)
         assert not (tmp_path / "data").exists(), name  # nothing started
+    missing = replay(tmp_path, "--trace", str(tmp_path / "missing.jsonl"), timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"gyre replay: cannot read the trace {tmp_path / 'missing.jsonl'}: No such file or directory"]
