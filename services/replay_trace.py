@@ -65,19 +65,11 @@ def trace_main(argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"gyre replay: cannot read the trace {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    from services.run import run_job
+    from services.run import run_job_cli
 
-    from services.common.logging import setup_logging
-
-    setup_logging(json=True, level="WARNING", service="replay")
-    try:
-        result = run_job(run, spec, config_path=config)
-    except (ValueError, TimeoutError, RuntimeError) as exc:
-        print(f"gyre replay: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("gyre replay: interrupted; every service it started was stopped", file=sys.stderr)
-        return 130
+    result = run_job_cli(run, spec, config, prog="gyre replay")
+    if isinstance(result, int):
+        return result
     print(json.dumps(_summary(result)))
     return 0 if result.final_state == "completed" else 1
 

@@ -263,6 +263,34 @@ def load_run(argv: Sequence[str]) -> tuple[RunConfig, JobSpec, Path]:
     return run, spec, config
 
 
+def run_job_cli(run: RunConfig, spec: JobSpec, config: Path, *, prog: str) -> RunResult | int:
+    """``run_job`` for a command: JSON warnings only, SIGTERM/^C take the stack down; the result, or
+    the exit code after one sentence on stderr (2: the job could not run, 130: interrupted)."""
+    from services.common.logging import setup_logging
+
+    setup_logging(json=True, level="WARNING", service=prog.split()[-1])
+    import signal
+
+    def _interrupt(_signum: int, _frame: Any) -> None:
+        # Unwinds run_job's finally, which takes the stack down. Later signals are ignored: a
+        # second SIGTERM/^C (from `timeout`, a process-group kill, an impatient user) must not
+        # interrupt that teardown and leave every service running (they run in their own sessions).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return run_job(run, spec, config_path=config)
+    except (ValueError, TimeoutError, RuntimeError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; every service it started was stopped", file=sys.stderr)
+        return 130
+
+
 def run_main(argv: Sequence[str]) -> int:
     args = list(argv)
     if "-h" in args or "--help" in args:
@@ -278,29 +306,9 @@ def run_main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
-    from services.common.logging import setup_logging
-
-    setup_logging(json=True, level="WARNING", service="run")
-    import signal
-
-    def _interrupt(_signum: int, _frame: Any) -> None:
-        # Unwinds run_job's finally, which takes the stack down. Later signals are ignored: a
-        # second SIGTERM/^C (from `timeout`, a process-group kill, an impatient user) must not
-        # interrupt that teardown and leave every service running (they run in their own sessions).
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    try:
-        result = run_job(run, spec, config_path=config)
-    except (ValueError, TimeoutError, RuntimeError) as exc:
-        print(f"gyre run: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("gyre run: interrupted; every service it started was stopped", file=sys.stderr)
-        return 130
+    result = run_job_cli(run, spec, config, prog="gyre run")
+    if isinstance(result, int):
+        return result
     first, last = (result.evals[0], result.evals[-1]) if result.evals else ({}, {})
     print(json.dumps({"job_id": result.job_id, "mode": result.mode, "state": result.final_state,
                       "steps": len(result.steps), "wall_s": round(result.wall_s, 1),
