@@ -158,6 +158,14 @@ class Hosts:
                                             env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
+    def pause(self, name: str) -> None:
+        """SIGSTOP ``name``'s process group (``resume`` continues it)."""
+        os.killpg(self.procs[name].pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        if self.procs[name].poll() is None:
+            os.killpg(self.procs[name].pid, signal.SIGCONT)
+
     def log(self, name: str) -> str:
         return (self.root / "logs" / f"{name}.log").read_text(errors="replace")
 
@@ -422,15 +430,27 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     cordoned, attempts, cordoned_at = "", 0, 0.0
     from services.scheduler.client import SchedulerClient
 
+    # While a cordoned cell's replica starts, the harness worker is stopped (SIGSTOP): the job's
+    # executions cannot finish its steps before that replica joined one, however slow the host is to
+    # start a trainer process (a wait on a condition; the 45 s cap stays inside the 60 s lease TTL)
+    paused: list[Any] = []  # [cell, its agent log's length at the cordon, monotonic at the pause]
     sched = SchedulerClient(addr["scheduler"])  # one channel (one TLS handshake) for the whole watch
     try:
         deadline = time.monotonic() + 1000
         while watch.poll() is None:  # every process stays up (nothing here restarts one)
             procs.check_alive()
             assert time.monotonic() < deadline, "the job did not end"
+            if paused and (paused[0] != cordoned or time.monotonic() - paused[2] > 45
+                           or '"replica ready"' in procs.log(f"agent-{paused[0]}")[paused[1]:]):
+                procs.resume("harness")
+                paused = []
             if not cordoned and attempts < 6:
+                seen = {c: len(procs.log(f"agent-{c}")) for c in ("cell-1", "cell-2")}
                 cordoned = _cordon_a_busy_cell(sched, job_id, cli, operator)
                 attempts, cordoned_at = attempts + bool(cordoned), time.time()
+                if cordoned and not paused:
+                    procs.pause("harness")
+                    paused = [cordoned, seen[cordoned], time.monotonic()]
             elif cordoned and attempts < 6 and _drained_without_migrating(sched, job_id, cordoned, cordoned_at):
                 # its requests ended before the drain reached them: give it back, cordon again later
                 subprocess.run([*cli, "uncordon", "--scheduler", sched.address, cordoned], cwd=REPO,
@@ -438,6 +458,7 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
                 cordoned = ""
             time.sleep(0.2)
     finally:
+        procs.resume("harness")
         sched.close()
         long_calls.stop()
         if watch.poll() is None:
@@ -468,7 +489,13 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
                 rec = json.loads(line)
                 if int(rec.get("world", 0)) >= 2:
                     joined.append((cell, rec.get("step"), rec.get("world")))
-    assert cordoned and any(cell == cordoned for cell, _, _ in joined), (cordoned, joined)
+    replica_lines = [(cell, rec.get("event"), rec.get("step"), rec.get("world"), rec.get("timestamp"))
+                     for cell in ("cell-1", "cell-2") for line in procs.log(f"agent-{cell}").splitlines()
+                     if '"services.trainer.replica"' in line for rec in [json.loads(line)]]
+    switches = [(e["kind"], e.get("cell_id"), e.get("to"), str(e.get("error", ""))[:200]) for e in events
+                if e["kind"].startswith("switch") or e["kind"] == "migration"]
+    assert cordoned and any(cell == cordoned for cell, _, _ in joined), (cordoned, attempts, joined, replica_lines,
+                                                                          switches)
 
     # no secret of the deployment (role tokens, KV key, CA and node keys, Redis password) in any log
     creds = Path(addr["credentials"])
