@@ -21,6 +21,17 @@ from pathlib import Path
 from typing import Any
 
 TERMINAL = ("completed", "failed", "cancelled")
+USAGE_KEYS = ("calls", "calls_in_flight", "prompt_tokens", "cached_tokens", "output_tokens", "max_context",
+              "last_context")
+
+
+def usage_line(u: dict[str, float]) -> str:
+    """One line of a job's model calls (``JobView.usage()``) for people."""
+    rate = (f", {u['output_tok_s']:,.0f} tok/s generated, {u['prefill_tok_s']:,.0f} tok/s prefilled"
+            if "output_tok_s" in u else "")
+    return (f"{u['calls']:,.0f} calls ({u['calls_in_flight']:,.0f} in flight), context {u['last_context']:,.0f} "
+            f"(max {u['max_context']:,.0f}), {u['prompt_tokens']:,.0f} prompt tokens of which {u['reuse']:.1%} "
+            f"reused from prefix caches, {u['output_tokens']:,.0f} generated{rate}")
 
 
 @dataclass
@@ -44,6 +55,9 @@ class JobView:
     role_spans: list[dict[str, Any]] = field(default_factory=list)
     _role_at: dict[str, tuple[str, float]] = field(default_factory=dict)
     last_metrics: dict[str, str] = field(default_factory=dict)
+    # the job's model calls, from the gateway's totals in 'metrics' events (``usage()``)
+    _usage: tuple[float, dict[str, int]] | None = None
+    _usage_before: tuple[float, dict[str, int]] | None = None
 
     @property
     def ended(self) -> bool:
@@ -96,8 +110,27 @@ class JobView:
                 self.migrations[transport] = self.migrations.get(transport, 0) + int(n)
         elif kind == "metrics":
             self.last_metrics = dict(a)
+            if "calls" in a:
+                self._usage_before, self._usage = self._usage, (ev.ts_s, {k: int(a.get(k, 0) or 0) for k in USAGE_KEYS})
         elif kind == "controller_error":
             self.errors.append(f"{a.get('stage', '?')}: {a.get('error', '')}")
+
+    def usage(self) -> dict[str, float] | None:
+        """The job's model calls so far (every call through the gateway, any harness): calls,
+        calls_in_flight, prompt / cached / output tokens, max_context, last_context, reuse (cached /
+        prompt), and, once two snapshots came, output_tok_s and prefill_tok_s (new prompt tokens
+        computed per second) between them; None before the job's first call."""
+        if self._usage is None:
+            return None
+        at, u = self._usage
+        out: dict[str, float] = {**u, "reuse": u["cached_tokens"] / max(u["prompt_tokens"], 1)}
+        if self._usage_before is not None and at > self._usage_before[0]:
+            t0, b = self._usage_before
+            dt = at - t0
+            out["output_tok_s"] = (u["output_tokens"] - b["output_tokens"]) / dt
+            out["prefill_tok_s"] = ((u["prompt_tokens"] - u["cached_tokens"])
+                                    - (b["prompt_tokens"] - b["cached_tokens"])) / dt
+        return out
 
     def _role(self, cell: str, before: str, after: str, at: float) -> None:
         prev = self._role_at.get(cell)
@@ -198,6 +231,9 @@ def write_job_report(view: JobView, out_dir: str | Path, *, scheduler: Any, trai
                 "seed": spec.seed, "task source": spec.tasks.generator or "payloads",
                 "weight version": job.weight_version, "outcomes": json.dumps(view.outcomes),
                 "spec": spec.to_json()}
+        u = view.usage()
+        if u is not None:
+            info["model calls"] = usage_line(u)
     except Exception:  # deliberate: a report of what the events say, even without the job record
         cells, now, info = [], 0.0, {"job": view.job_id, "state": view.state}
     rows = step_rows(view, trainer=trainer, trajectory=trajectory)

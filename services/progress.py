@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.jobwatch import JobView
+from services.jobwatch import JobView, usage_line
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -64,7 +64,11 @@ class Progress:
                   if job is not None and spec is not None else "")
         last_eval = (f" held-out {v.evals[-1]['heldout_pass_rate']:.3f} (after {v.evals[-1]['step']})"
                      if v.evals else "")
-        return (f"[{v.job_id}] {v.state} step {steps} v{v.weight_version}{counts} switches {len(v.switches)} "
+        u = v.usage()
+        calls = (f" calls {u['calls']:,.0f} context {u['last_context']:,.0f}/{u['max_context']:,.0f} "
+                 f"reuse {u['reuse']:.0%}" + (f" {u['output_tok_s']:,.0f} tok/s" if "output_tok_s" in u else "")
+                 if u is not None else "")
+        return (f"[{v.job_id}] {v.state} step {steps} v{v.weight_version}{counts}{calls} switches {len(v.switches)} "
                 f"outcomes {dict(v.outcomes)}{last_eval}")
 
     def _table(self) -> Any:
@@ -84,6 +88,9 @@ class Progress:
         if m:
             t.add_row("cells", f"{m.get('rollout_cells', '?')} rollout, {m.get('train_cells', '?')} train, "
                                f"{m.get('switching_cells', '?')} switching   switches: {len(v.switches)}")
+        u = v.usage()
+        if u is not None:
+            t.add_row("model calls", usage_line(u))
         t.add_row("outcomes", ", ".join(f"{k} {n}" for k, n in sorted(v.outcomes.items())) or "-")
         if v.evals:
             t.add_row("held-out", "  ".join(f"{e['step']}: {e['heldout_pass_rate']:.2f}" for e in v.evals))

@@ -138,6 +138,11 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
         reuse = (f"{prompt.get('cached', 0):,.0f} of {prompt.get('prompt', 0):,.0f} prompt tokens "
                  f"({prompt.get('cached', 0) / max(prompt.get('prompt', 0), 1):.1%}) came from engines' prefix caches")
         echo(f"prefix reuse: {reuse}")
+        usage = view.usage()
+        if usage is not None:
+            from services.jobwatch import usage_line
+
+            echo(f"model calls: {usage_line(usage)}")
         from services.trainer.client import TrainerClient
         from services.trajectory.client import TrajectoryClient
 

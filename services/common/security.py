@@ -39,7 +39,8 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     **{f"/gyre.v1.Worker/{m}": _H for m in ("LeaseExecution", "Heartbeat", "CompleteExecution", "MintSession",
                                               "ReleaseWorker")},
     **{f"/gyre.v1.Gateway/{m}": _H for m in ("Generate", "GenerateStream")},
-    **{f"/gyre.v1.Gateway/{m}": _O for m in ("RegisterEngine", "DeregisterEngine", "DrainEngine", "ListEngines")},
+    **{f"/gyre.v1.Gateway/{m}": _O for m in ("RegisterEngine", "DeregisterEngine", "DrainEngine", "ListEngines",
+                                             "JobUsage")},
     "/gyre.v1.Reward/SubmitWorkspace": _H,
     "/gyre.v1.Reward/Score": _H,  # a harness scores the executions it ran
     "/gyre.v1.Reward/GetScore": _HO,

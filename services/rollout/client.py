@@ -11,7 +11,8 @@ whose connection breaks raises ``EngineLost``, which the gateway answers with a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ from services.common.weights import chunk_state_dict
 from services.rollout import wire
 from services.rollout.calls import CallMeta, CallResult, EngineLost, MigrationReport, Piece, concat
 from services.rollout.engine import SamplingParams
+from services.rollout.usage import Usage
 
 
 class PieceStream:
@@ -196,3 +198,9 @@ class GatewayClient(GrpcClient):
 
     def list_engines(self) -> list[rollout_pb2.EngineInfo]:
         return list(self._call(self._stub.ListEngines, rollout_pb2.ListEnginesRequest(), 30.0).engines)
+
+    def job_usage(self, job_ids: Sequence[str] = (), timeout_s: float = 10.0) -> dict[str, Usage]:
+        """What the gateway served per job (services/rollout/usage.py): job id -> Usage, for the
+        jobs of ``job_ids`` that made a call through it (every job it holds when empty)."""
+        resp = self._call(self._stub.JobUsage, rollout_pb2.JobUsageRequest(job_ids=list(job_ids)), timeout_s)
+        return {u.job_id: Usage(**{f.name: getattr(u, f.name) for f in dataclasses.fields(Usage)}) for u in resp.jobs}

@@ -40,6 +40,7 @@ from services.rollout.calls import (FINISHED, CallMeta, CallResult, EngineLost, 
                                     check_prompt, check_stop_ids, concat)
 from services.rollout.engine import SamplingParams
 from services.rollout.router import DEAD, DRAINING, READY, EngineEntry, Router
+from services.rollout.usage import UsageBook
 from services.trajectory.records import Role, TitoCall
 
 log = get_logger(__name__)
@@ -176,6 +177,7 @@ class Gateway:
         self._moved = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._prober = threading.Thread(target=self._probe_loop, name="gateway-probe", daemon=True)
+        self.usage = UsageBook()  # per-job calls and tokens (JobUsage)
 
     def start(self) -> "Gateway":
         self._prober.start()
@@ -274,6 +276,9 @@ class Gateway:
         with self._lock:
             self._active[call.request_id] = call
         IN_FLIGHT.inc()
+        job_id = call.meta.job_id
+        if job_id:
+            self.usage.started(job_id)
         outcome = "error"
         bound = log.bind(request_id=call.request_id, execution_id=call.meta.execution_id,
                          call_id=call.meta.call_id)
@@ -308,6 +313,10 @@ class Gateway:
                 self._moved.notify_all()
             IN_FLIGHT.dec()
             CALLS.labels(outcome if not call.cancelled else "cancelled").inc()
+            if job_id:
+                finished = outcome != "error" and not call.cancelled
+                self.usage.ended(job_id, prompt_tokens=len(call.prompt_ids), cached_tokens=call.cached_tokens,
+                                 output_tokens=len(call.output()[0]) if finished else 0, finished=finished)
 
     def _check(self, call: GatewayCall, entry: EngineEntry) -> None:
         """Validate against what the chosen engine reported (it validates again itself)."""

@@ -7,6 +7,7 @@ termination callback cancels the engine-side request.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -223,3 +224,11 @@ class GatewayServicer(rollout_pb2_grpc.GatewayServicer):
 
     def ListEngines(self, request: rollout_pb2.ListEnginesRequest, context: grpc.ServicerContext) -> Any:
         return rollout_pb2.ListEnginesResponse(engines=[engine_info(e) for e in self.gateway.list_engines()])
+
+    def JobUsage(self, request: rollout_pb2.JobUsageRequest, context: grpc.ServicerContext) -> Any:
+        if len(request.job_ids) > 1000:
+            raise InvalidArgument(f"JobUsage takes at most 1000 job ids, got {len(request.job_ids)}")
+        if any(not j for j in request.job_ids):
+            raise InvalidArgument("JobUsage: a job id is empty")
+        return rollout_pb2.JobUsageResponse(jobs=[rollout_pb2.JobUsage(**dataclasses.asdict(u))
+                                                  for u in self.gateway.usage.snapshot(request.job_ids)])

@@ -101,6 +101,9 @@ class SchedulerApi:
         self.sleep = sleep
         self._specs: dict[str, JobSpec] = {}  # specs never change: cache them for lease responses
         self.sessions = Sessions(state.r, state.keys.namespace)
+        # called with the job before its last step's update is published (every rollout ended):
+        # the orchestrator's last 'metrics' event, so the job's log ends with its whole usage
+        self.before_last_publish: Callable[[JobStatus], None] | None = None
 
     def job_spec(self, job_id: str) -> JobSpec:
         spec = self._specs.get(job_id)
@@ -181,9 +184,12 @@ class SchedulerApi:
                 return
 
     def report_training(self, job_id: str, step: int, phase: str, weight_version: int) -> tuple[JobStatus, bool]:
-        self.get_job(job_id)
+        job = self.get_job(job_id)
         if step < 0:
             raise InvalidArgument(f"step is {step}; expected >= 0")
+        if (phase == "published" and step + 1 == job.spec.num_steps and job.current_step == step
+                and job.state is JobState.RUNNING and self.before_last_publish is not None):
+            self.before_last_publish(job)
         applied = self.state.report_training(job_id, step, phase, weight_version)
         log.info("training reported", job_id=job_id, step=step, phase=phase, weight_version=weight_version,
                  duplicate=not applied)

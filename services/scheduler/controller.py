@@ -82,6 +82,8 @@ class JobController:
                  tick_interval_s: float = 0.5, token_budget: int = 0) -> None:
         self.state = state
         self.trainer, self.trajectory, self.reward = trainer, trajectory, reward
+        # called with a job right before it is marked completed (the orchestrator's last metrics event)
+        self.before_complete: Callable[[JobStatus], None] | None = None
         self.trajectory_address = trajectory_address
         self.scheduler_address = scheduler_address
         self.checkpoint_root = checkpoint_root
@@ -147,6 +149,8 @@ class JobController:
             self._supervise_trainer(job, ctl)
         self._evaluations(job, ctl)
         if "training_done" in ctl and self._all_rounds_scored(job.spec, ctl):
+            if self.before_complete is not None:
+                self.before_complete(job)
             if self.state.set_job_state(job.job_id, JobState.RUNNING, JobState.COMPLETED,
                                         "all steps trained and evaluated"):
                 log.info("job completed", job_id=job.job_id, weight_version=job.weight_version)

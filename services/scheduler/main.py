@@ -62,12 +62,26 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
     # waiting out the lock's TTL
     instance_id = cfg.instance_id or f"{socket.gethostname()}:{server.port}"
     controller, clients = _job_controller(cfg, state, reward, server.port, instance_id)
+    usage_client = None
+    usage = None
+    if cfg.gateway_address:
+        import dataclasses
+
+        from services.rollout.client import GatewayClient
+
+        usage_client = GatewayClient(cfg.gateway_address, timeout_s=5.0)
+
+        def usage(job_id: str) -> dict | None:
+            assert usage_client is not None
+            u = usage_client.job_usage([job_id], timeout_s=2.0).get(job_id)
+            return dataclasses.asdict(u) if u is not None else None
     orchestrator = Orchestrator(
         state, actuator, instance_id=instance_id,
         tick_interval_s=cfg.tick_interval_s, leader_ttl_s=cfg.leader_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s,
         switch_timeout_s=cfg.switch_timeout_s, switch_workers=cfg.switch_workers,
         metrics_event_interval_s=cfg.metrics_event_interval_s, lease_ttl_s=cfg.lease_ttl_s,
-        timeout_scorer=timeout_scorer, controller=controller).start()
+        timeout_scorer=timeout_scorer, controller=controller, usage=usage).start()
+    api.before_last_publish = orchestrator.last_metrics_event
     if controller is not None:
         controller.start()
     log.info("orchestrator started", actuator=cfg.actuator, instance_id=orchestrator.instance_id,
@@ -78,6 +92,8 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
             controller.stop(cfg.grace_s)
         orchestrator.stop(cfg.grace_s)
         actuator.close()
+        if usage_client is not None:
+            usage_client.close()
         for c in clients:
             c.close()
         if reward is not None:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
@@ -91,11 +91,18 @@ class Orchestrator:
                  tick_interval_s: float = 0.5, leader_ttl_s: float = 10.0, cell_dead_after_s: float = 30.0,
                  switch_timeout_s: float = 600.0, switch_workers: int = 8,
                  metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0,
-                 timeout_scorer: TimeoutScorer | None = None, controller: JobController | None = None) -> None:
+                 timeout_scorer: TimeoutScorer | None = None, controller: JobController | None = None,
+                 usage: Callable[[str], Mapping[str, Any] | None] | None = None) -> None:
         self.state = state
+        # what the gateway served for a job (GatewayClient.job_usage): its calls, tokens and context
+        # go into the job's 'metrics' events (gyre watch shows them); None: no gateway to ask
+        self.usage = usage
+        self._usage_retry_at = 0.0
         # The job controller (controller.py) prepares jobs and opens their trajectory steps; without
         # one (API-only tests, a client that drives the services itself) steps are enqueued as is.
         self.controller = controller
+        if controller is not None:
+            controller.before_complete = self.last_metrics_event
         self.actuator = actuator
         self.timeout_scorer = timeout_scorer
         self._scoring: Future[None] | None = None
@@ -250,6 +257,15 @@ class Orchestrator:
             self._start_switch(job, a, by_id)
         self._maybe_metrics_event(job, cells)
         return actions
+
+    def last_metrics_event(self, job: JobStatus) -> None:
+        """One more 'metrics' event now, so that the job's log ends with its whole usage (what the
+        report shows): called right before the job's last update is published (the scheduler API)
+        and before the job controller completes it after its final evaluation."""
+        try:
+            self._maybe_metrics_event(self.state.get_job(job.job_id), self.job_cells(job), force=True)
+        except GyreError as exc:  # Redis briefly away: the job completes all the same
+            log.warning("no last metrics event", job_id=job.job_id, error=str(exc))
 
     def _enqueue_startable(self, job: JobStatus) -> JobStatus:
         spec, params = job.spec, job.spec.policy_params()
@@ -416,9 +432,9 @@ class Orchestrator:
             time.sleep(0.02)
         return True
 
-    def _maybe_metrics_event(self, job: JobStatus, cells: Sequence[CellRecord]) -> None:
+    def _maybe_metrics_event(self, job: JobStatus, cells: Sequence[CellRecord], force: bool = False) -> None:
         now = self.state.clock()
-        if now - self._last_metrics.get(job.job_id, 0.0) < self.metrics_event_interval_s:
+        if not force and now - self._last_metrics.get(job.job_id, 0.0) < self.metrics_event_interval_s:
             return
         self._last_metrics[job.job_id] = now
         roles = [c.role for c in cells]
@@ -427,5 +443,23 @@ class Orchestrator:
             "running": job.running, "done_in_step": job.done_in_step, "step_size": job.spec.step_size,
             "rollout_cells": roles.count(Role.ROLLOUT), "train_cells": roles.count(Role.TRAIN),
             "switching_cells": roles.count(Role.SWITCHING), "idle_cells": roles.count(Role.IDLE),
+            **self._usage_attrs(job.job_id),
         })
+
+    def _usage_attrs(self, job_id: str) -> dict[str, Any]:
+        """The gateway's totals for ``job_id`` as event attributes ({} without a gateway, before the
+        job's first call, or while the gateway does not answer: asked again 30 s later)."""
+        if self.usage is None or time.monotonic() < self._usage_retry_at:
+            return {}
+        try:
+            u = self.usage(job_id)
+        except GyreError as exc:
+            log.info("gateway usage not available", job_id=job_id, error=str(exc))
+            self._usage_retry_at = time.monotonic() + 30.0
+            return {}
+        if not u:
+            return {}
+        return {"calls": u["calls"], "calls_in_flight": u["in_flight"], "prompt_tokens": u["prompt_tokens"],
+                "cached_tokens": u["cached_tokens"], "output_tokens": u["output_tokens"],
+                "max_context": u["max_context_tokens"], "last_context": u["last_context_tokens"]}
 

@@ -40,6 +40,11 @@ def test_replay_plays_a_trace_on_the_live_stack_and_trains_on_it(tmp_path: Path)
         assert e["calls"] == 5 and e["output_tokens"] == sum(t["gen_tokens"] for t in turns)
         # system 32 + the contexts: main 92, sub-agent 72, main 134, summary 164, compacted main 94
         assert e["prompt_tokens"] == 556
+    # the job's log ends with the gateway's totals of its calls: in the output and the report
+    assert "model calls: 20 calls (0 in flight)" in proc.stdout, proc.stdout[-3000:]
+    assert "2,224 prompt tokens" in proc.stdout and "224 generated" in proc.stdout
+    report = next((tmp_path / "report").rglob("report.html")).read_text()
+    assert "20 calls (0 in flight)" in report
     # and the trajectory service took every call's record (none refused)
     refused = [x for x in (logs / "trajectory.log").read_text().splitlines() if "rpc rejected" in x]
     assert not refused, refused[:3]

@@ -129,3 +129,30 @@ def test_engines_come_and_go(cluster: tuple[LocalGateway, list[LocalEngine]]) ->
         assert res.cell_id in ("cell-a", "cell-b")
     finally:
         extra.stop()
+
+
+def test_job_usage_counts_each_jobs_calls_tokens_and_reuse(cluster: tuple[LocalGateway, list[LocalEngine]]) -> None:
+    from services.common.errors import InvalidArgument
+
+    gw, _ = cluster
+    client = gw.client()
+    assert client.job_usage(["usage-job"]) == {}  # a job that made no call: nothing, not an error
+    p = prompt(11, 200)
+    meta = CallMeta(job_id="usage-job", execution_id="ex-u", agent_id="main")
+    first = client.generate(CallMeta(**{**meta.__dict__, "call_id": "u1"}), p, GREEDY)
+    grown = np.concatenate([p, first.output_ids, prompt(12, 30)])
+    second = client.generate(CallMeta(**{**meta.__dict__, "call_id": "u2"}), grown, GREEDY)
+    client.generate(CallMeta(job_id="other-job", execution_id="ex-o", call_id="o1"), prompt(13), GREEDY)
+    usage = client.job_usage(["usage-job", "never-called"])
+    assert list(usage) == ["usage-job"]
+    u = usage["usage-job"]
+    assert u.calls == 2 and u.in_flight == 0
+    assert u.prompt_tokens == len(p) + len(grown)
+    assert u.output_tokens == len(first.output_ids) + len(second.output_ids) == 48
+    # the second call is routed to the engine that holds the first's context and reuses it
+    assert second.cell_id == first.cell_id and u.cached_tokens >= len(p)
+    assert u.last_context_tokens == u.max_context_tokens == len(grown) + 24
+    assert 0 < u.first_call_at_s <= u.last_call_at_s
+    assert {"usage-job", "other-job"} <= set(client.job_usage())
+    with pytest.raises(InvalidArgument, match="empty"):
+        client.job_usage([""])

@@ -199,3 +199,57 @@ def test_no_switch_before_the_jobs_trainer_is_started(sched: InProcess, agents: 
     assert s.client.get_job("j1").state is JobState.RUNNING and not controller.ready(s.client.get_job("j1"))
     assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
     assert not [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c2"]
+
+
+def test_metrics_events_carry_the_gateways_usage_of_the_job(sched: InProcess) -> None:
+    """A real gateway over a real engine: the calls a job makes through it reach the job's 'metrics'
+    events (what `gyre watch` and the report show); a gateway that does not answer costs nothing."""
+    import numpy as np
+
+    from services.jobwatch import JobView, usage_line
+    from services.rollout.calls import CallMeta
+    from services.rollout.client import GatewayClient
+    from services.rollout.engine import SamplingParams
+    from tests.support.rollout_cluster import start_engine, start_gateway
+
+    engine, gw = start_engine("cell-u"), start_gateway()
+    client = GatewayClient(gw.address, timeout_s=60)
+    asker = GatewayClient(gw.address, timeout_s=60)  # the scheduler's own client: open to the end
+    try:
+        client.register_engine("cell-u", engine.address)
+
+        def usage(job_id: str) -> dict | None:
+            import dataclasses
+
+            u = asker.job_usage([job_id], timeout_s=5).get(job_id)
+            return dataclasses.asdict(u) if u is not None else None
+
+        orch = Orchestrator(sched.state, AgentActuator(), instance_id="t", metrics_event_interval_s=0.0, usage=usage)
+        sched.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=2, mode=Mode.COLOCATE))
+        assert orch.tick()  # no call yet: a metrics event without usage
+        prompt = np.arange(3, 300, dtype=np.int32)
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        first = client.generate(CallMeta(job_id="j1", execution_id="e1", agent_id="a", call_id="c1"), prompt, params)
+        grown = np.concatenate([prompt, first.output_ids, np.arange(5, 25, dtype=np.int32)])
+        client.generate(CallMeta(job_id="j1", execution_id="e1", agent_id="a", call_id="c2"), grown, params)
+        assert orch.tick()
+        view = JobView("j1")
+        for ev in sched.client.watch("j1", follow=False):
+            view.add(ev)
+        metrics = [e for e in sched.client.watch("j1", follow=False) if e.kind == "metrics"]
+        assert "calls" not in metrics[0].attrs and metrics[-1].attrs["calls"] == "2"
+        u = view.usage()
+        assert u is not None and u["calls"] == 2 and u["prompt_tokens"] == len(prompt) + len(grown)
+        assert u["output_tokens"] == 16 and u["max_context"] == u["last_context"] == len(grown) + 8
+        assert u["cached_tokens"] >= len(prompt) - 128 and 0 < u["reuse"] < 1
+        assert "2 calls" in usage_line(u) and "reused from prefix caches" in usage_line(u)
+    finally:
+        client.close()
+        gw.stop()
+        engine.stop()
+    # the gateway is gone: metrics events go on without its figures, the tick does not fail
+    n = len([e for e in sched.client.watch("j1", follow=False) if e.kind == "metrics"])
+    assert orch.tick()
+    metrics = [e for e in sched.client.watch("j1", follow=False) if e.kind == "metrics"]
+    assert len(metrics) == n + 1 and "calls" not in metrics[-1].attrs
+    asker.close()
