@@ -29,6 +29,7 @@ class SlotKV:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.n = 0
+        self.freed_bytes = 0  # ever freed by reallocations (grown or shrunk buffers)
         self.lens = np.zeros(slots, dtype=np.int64)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -58,6 +59,7 @@ class SlotKV:
             for old, new in zip(self.keys + self.values, new_k + new_v):
                 new[: self.n, :, :keep].copy_(old[: self.n, :, :keep])
                 new[: self.n, :, keep:].zero_()
+        self.freed_bytes += sum(t.numel() * t.element_size() for t in self.keys + self.values)
         self.keys, self.values = new_k, new_v
         lens = np.zeros(slots, dtype=np.int64)
         lens[: self.n] = self.lens[: self.n]

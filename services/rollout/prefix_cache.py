@@ -76,6 +76,7 @@ class PrefixCache:
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # id(entry) -> entry, oldest first
         self._by_key: dict[bytes, dict[int, Entry]] = {}  # block chain key -> entries holding it, oldest first
         self.tokens = 0
+        self.dropped_tokens = 0  # ever dropped (evicted, superseded, cleared): their KV was freed
 
     @property
     def enabled(self) -> bool:
@@ -160,6 +161,7 @@ class PrefixCache:
             if not holders:
                 del self._by_key[key]
         self.tokens -= len(entry.ids)
+        self.dropped_tokens += len(entry.ids)
         EVICTED_TOKENS.inc(len(entry.ids))
 
 

@@ -30,6 +30,9 @@ class TrainerConfig(ServerConfig):
     activation_checkpointing: bool = setting(False, "Jobs that do not set it themselves recompute each decoder "
                                                      "layer's activations in the backward instead of keeping them "
                                                      "(less memory per micro-batch token, ~1 more forward).")
+    attention: str = setting("auto", "Tree attention of jobs that do not choose one: 'auto' (CPU: block-sparse; "
+                                     "CUDA: dense SDPA up to max_dense_tokens, then flex), 'blocks', 'sdpa' (dense "
+                                     "N x N mask) or 'flex'.")
     publish_chunk_mb: int = setting(4, "Size of one WeightChunk when streaming weights, MiB.")
     replica: bool = setting(False, "Run as a data-parallel replica of the core at --core (no server).")
     core: str = setting("", "Replica mode: address host:port of the core trainer.")
@@ -58,6 +61,8 @@ class TrainerConfig(ServerConfig):
         check(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s,
               "a positive number of seconds")
         check(1 <= self.publish_chunk_mb <= 256, "publish_chunk_mb", self.publish_chunk_mb, "between 1 and 256 MiB")
+        check(self.attention in ("auto", "blocks", "sdpa", "flex"), "attention", self.attention,
+              "one of auto, blocks, sdpa, flex")
         check(self.replica_max_steps >= 0, "replica_max_steps", self.replica_max_steps, "0 or more")
         check(self.replica_threads >= 0, "replica_threads", self.replica_threads, "0 or more")
         check(0 <= self.warm_replicas <= 16, "warm_replicas", self.warm_replicas, "between 0 and 16")

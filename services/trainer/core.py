@@ -29,6 +29,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
+from services.common.memory import release_free_memory, rss_bytes
 from services.trainer import checkpoint as ckpt
 from services.trainer import metrics as m
 from services.trainer.elastic import ReduceCalledOff, Seal, StepMembership, all_reduce_step, arrive, open_group
@@ -219,9 +220,13 @@ class CoreTrainer:
             learner.train(batch)
             log.info("replayed journaled micro-batch", job_id=job.job_id, step=step, batch_id=batch_id)
         slog = log.bind(job_id=job.job_id)
+        compute_s = 0.0  # time spent training (not waiting for the step's rollouts)
         while (d := st.source.next(step)) is not None:
+            t_batch = time.perf_counter()
             train_delivery(learner, d, step=step, journal=st.journal, log=slog)
+            compute_s += time.perf_counter() - t_batch
         train_s = time.perf_counter() - start
+        own_tokens = float(learner.stats.as_dict().get("tokens", 0.0))  # the core's share, before the reduce
 
         seal = self.membership.core_done(step)
         self._set_phase("reducing")
@@ -258,6 +263,7 @@ class CoreTrainer:
         metrics.update(grad_norm=grad_norm, step_time_s=step_s, train_time_s=train_s, allreduce_s=reduce_s,
                        world_size=float(seal.world_size), handed_off=float(len(handed)),
                        tokens_per_s=metrics.get("tokens", 0.0) / step_s if step_s > 0 else 0.0,
+                       compute_s=compute_s, train_tokens_per_s=own_tokens / compute_s if compute_s > 0 else 0.0,
                        weight_version=float(new_version), publish_s=publish.engines_s,
                        evicted=float(evicted), retrained=float(retrained),
                        publish_mb=publish.num_bytes / 1e6)
@@ -281,9 +287,13 @@ class CoreTrainer:
             ckpt.prune_checkpoints(job.checkpoint_dir, job.checkpoint_keep)
             if st.journal is not None:
                 st.journal.forget_before(step + 1)  # those updates are durable now
+        # the step's activations, batches and chunk KV are freed: give their pages back to the OS,
+        # so the trainer's RSS does not stay at the deepest step's peak
+        release_free_memory()
         log.info("step done", job_id=job.job_id, step=step, version=new_version, world=seal.world_size,
                  loss=round(metrics.get("loss", 0.0), 6), grad_norm=round(grad_norm, 6),
-                 tokens=metrics.get("tokens"), step_s=round(step_s, 3))
+                 tokens=metrics.get("tokens"), step_s=round(step_s, 3), compute_s=round(compute_s, 3),
+                 train_tok_s=round(metrics["train_tokens_per_s"], 1), rss_mb=rss_bytes() >> 20)
         return report
 
     def _retrain_lost(self, st: _JobState, step: int, slog: Any) -> int:

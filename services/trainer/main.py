@@ -45,7 +45,7 @@ def build_trainer(cfg: TrainerConfig) -> Built:
                        publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
     servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
                                chunk_bytes=cfg.publish_chunk_mb << 20,
-                               activation_checkpointing=cfg.activation_checkpointing)
+                               activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
                           service_names=[TRAINER_SERVICE], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)

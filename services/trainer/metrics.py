@@ -26,6 +26,8 @@ STEP_GAUGES: dict[str, Gauge] = {
         ("mismatch_kl", "k3 KL between trainer and behaviour policy (engine mismatch + staleness)."),
         ("tis_trunc_frac", "Fraction (weighted) of targets whose TIS weight was truncated, last step."),
         ("tokens_per_s", "Packed tokens trained per second of step wall time, last step."),
+        ("train_tokens_per_s", "The core's tokens trained per second of its training time (waits for rollouts "
+                               "left out), last step."),
         ("step_time_s", "Wall time of the last step, seconds (first micro-batch to publish)."),
         ("world_size", "Replicas (core included) in the last step's all-reduce."),
         ("weight_version", "Latest published weight version."),

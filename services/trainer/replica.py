@@ -33,6 +33,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
+from services.common.memory import release_free_memory, rss_bytes
 from services.trainer.client import TrainerClient
 from services.trainer.core import backend_for, build_learner
 from services.trainer.elastic import ReduceCalledOff, all_reduce_step, arrive, open_group
@@ -188,8 +189,9 @@ class Replica:
                 all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
             self.stats.steps += 1
             held_version = ticket.weight_version  # the core's update makes it stale; next join pulls v+1
+            release_free_memory()  # the step's activations are freed: their pages go back to the OS
             log.info("replica step done", micro_batches=trained, rank=seal.rank, world=seal.world_size,
-                     release=seal.release)
+                     release=seal.release, rss_mb=rss_bytes() >> 20)
             if leaving or seal.release or (self.max_steps and self.stats.steps >= self.max_steps):
                 break
             if ticket.step + 1 >= job.num_steps:

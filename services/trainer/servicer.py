@@ -24,8 +24,9 @@ log = get_logger(__name__)
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, core: CoreTrainer, *, replicas: ReplicaProcesses | None = None,
                  default_trajectory_address: str = "", chunk_bytes: int = 4 << 20,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, attention: str = "auto") -> None:
         self.core = core
+        self.attention = attention  # likewise, for jobs whose attention is 'auto' or unset
         # the deployment's default for jobs that do not say (a job's own option wins)
         self.activation_checkpointing = activation_checkpointing
         self.replicas = replicas
@@ -54,6 +55,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             spec.trajectory_address = self.default_trajectory_address
         if self.activation_checkpointing and "activation_checkpointing" not in spec.options:
             spec.options["activation_checkpointing"] = "true"
+        if spec.attention in ("", "auto"):
+            spec.attention = self.attention
         job = wire.job_from_proto(spec)
         status = self.core.status()
         if status["job_id"] == job.job_id and status["phase"] not in ("done", "failed", "stopped", "idle"):

@@ -183,3 +183,26 @@ def test_bad_requests_get_precise_statuses(trainer: Trainer) -> None:
     assert trainer.core.job.optim.lr == 0.01 and trainer.core.job.objective.tis_cap == 2.0
     assert trainer.core.job.activation_checkpointing
     assert c.wait_step(0, timeout_s=60).finished
+
+
+def test_the_deployments_attention_is_the_default_of_jobs_that_do_not_choose() -> None:
+    from services.trainer.config import TrainerConfig
+
+    core = CoreTrainer()
+    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                       TrainerServicer(core, attention="sdpa"))],
+                          service_names=[TRAINER_SERVICE]).start()
+    try:
+        with TrainerClient(f"127.0.0.1:{server.port}", timeout_s=30) as c:
+            c.start_job(trainer_pb2.TrainerJobSpec(job_id="a1", source="synthetic", num_steps=1))
+            assert core.job.attention == "sdpa"
+            assert c.wait_step(0, timeout_s=60).finished
+            c.stop_job("a1")
+            c.start_job(trainer_pb2.TrainerJobSpec(job_id="a2", source="synthetic", num_steps=1, attention="blocks"))
+            assert core.job.attention == "blocks"  # the job's own choice wins
+            assert c.wait_step(0, timeout_s=60).finished
+    finally:
+        core.stop()
+        server.stop(0)
+    with pytest.raises(ValueError, match="config field 'attention' is 'dense'"):
+        TrainerConfig(attention="dense")
