@@ -2,13 +2,14 @@
 ``gyre replay --trace`` through every service and trained on in the same job.
 
     .venv/bin/python -m bench.bench_xlong          # short: ~120K tokens, ~70 calls (a few minutes)
-    .venv/bin/python -m bench.bench_xlong --full   # >= 1M tokens, >= 500 calls (about an hour on 2 cores)
+    .venv/bin/python -m bench.bench_xlong --full   # >= 1M tokens, >= 500 calls (about 20 minutes on 2 cores)
+    .venv/bin/python -m bench.bench_xlong --wide   # 16 executions of 64K tokens at once, one step
 
 The execution (``agent_trace``): a main agent whose turns append a tool result and generate a
 reply; every 5th main turn a sub-agent of its own (3 turns); when the main context passes
 ``context_cap`` tokens a summarizer compacts it to the system prompt plus its summary. Every
 context stays under the built-in model's 65,536 positions; the execution's tokens add up past
-them. Writes bench/results/xlong.md (``--full``) or bench/results/xlong-short.md: wall time,
+them. Writes bench/results/xlong.md (``--full``), xlong-wide.md (``--wide``) or xlong-short.md: wall time,
 calls, tokens, prefilled / unique tokens, and each service's RSS: after start-up, peak, and at
 the end of the job (the execution's state released: back near its start).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -103,11 +105,20 @@ def _mem(pid: int) -> tuple[float | None, float | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="the >= 1M-token, >= 500-call execution")
+    parser.add_argument("--wide", action="store_true",
+                        help="16 concurrent executions of 64K tokens each in one step")
     args = parser.parse_args()
+    executions, env = 1, dict(os.environ)
     if args.full:
         turns, counts = agent_trace(tokens=1_000_000, tool_tokens=1_400, gen_tokens=32, context_cap=28_000,
                                     summary_tokens=256)
         out, budget = ROOT / "bench" / "results" / "xlong.md", 3 * 3600
+    elif args.wide:
+        turns, counts = agent_trace(tokens=64_000, tool_tokens=1_400, gen_tokens=32, context_cap=24_000,
+                                    summary_tokens=256)
+        out, budget, executions = ROOT / "bench" / "results" / "xlong-wide.md", 3 * 3600, 16
+        # the engines hold 8 running contexts of up to 24K each (the default budget is one 64K context)
+        env["GYRE_ENGINE_KV_CAPACITY_TOKENS"] = str(8 * 32_768)
     else:
         turns, counts = agent_trace(tokens=120_000, tool_tokens=1_400, gen_tokens=32, context_cap=12_000,
                                     summary_tokens=128)
@@ -115,14 +126,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gyre-bench-xlong-") as d:
         work = Path(d)
         trace = work / "xlong.jsonl"
-        trace.write_text(json.dumps({"step": 0, "group": "x0", "execution_id": "x0", "turns": turns}) + "\n")
+        trace.write_text("".join(json.dumps({"step": 0, "group": f"x{i}", "execution_id": f"x{i}", "turns": turns})
+                                 + "\n" for i in range(executions)))
         sampler = RssSampler(work / "data" / "elastic" / "run" / "state.json")
         sampler.start()
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--trace", str(trace), "--quiet", "true",
                                "--data-dir", str(work / "data"), "--report-dir", str(work / "report"),
-                               "--time-budget-s", str(budget), "--harness-concurrency", "2"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=budget + 600)
+                               "--time-budget-s", str(budget), "--harness-concurrency", str(max(2, executions))],
+                              cwd=ROOT, capture_output=True, text=True, timeout=budget + 600, env=env)
         wall = time.perf_counter() - t0
         sampler.stop.set()
         if proc.returncode != 0:
@@ -134,23 +146,29 @@ def main() -> None:
         logs = work / "data" / "elastic" / "logs"
         ended = [json.loads(x) for x in (logs / "harness.log").read_text().splitlines() if '"execution ended"' in x]
         refused = sum(1 for x in (logs / "trajectory.log").read_text().splitlines() if "rpc rejected" in x)
-    e = ended[-1] if ended else {}
+    statuses = sorted({str(e.get("status", "?")) for e in ended}) or ["?"]
+    calls_made = sum(int(e.get("calls", 0)) for e in ended)
     prefilled = prompt - cached
-    lines = [f"# XLong on the live stack (bench/bench_xlong.py{' --full' if args.full else ''})", "",
-             "One agent execution played by `gyre replay --trace` through every service (engines, gateway, "
+    unique = counts["unique_tokens"] * executions
+    flag = " --full" if args.full else " --wide" if args.wide else ""
+    what = ("One agent execution" if executions == 1 else
+            f"{executions} agent executions at once, in one step, each of {counts['tokens']:,} tokens,")
+    lines = [f"# XLong on the live stack (bench/bench_xlong.py{flag})", "",
+             f"{what} played by `gyre replay --trace` through every service (engines, gateway, "
              "scheduler, harness, reward, trajectory, trainer: real processes, the built-in model, 2 CPU cores) "
              "and trained on in the same job. A main agent appending 1,400-token tool results and generating "
              "32 tokens a turn, a 3-turn sub-agent every 5th main turn, and a compaction whenever the main "
              "context would pass the cap (every context stays under the model's 65,536 positions).", "",
              "| | |", "| --- | --- |",
-             f"| state | {summary['state']} ({e.get('status', '?')}) |",
+             f"| state | {summary['state']} ({', '.join(statuses)}; {len(ended)} of {executions} executions ended) |",
              f"| wall time | {wall:,.0f} s (job {summary['wall_s']:,.0f} s) |",
-             f"| model calls | {e.get('calls', 0):,} of {counts['calls']:,} in the trace ({counts['turns']:,} turns) |",
-             f"| execution tokens (appended + generated) | {counts['tokens']:,} |",
+             f"| model calls | {calls_made:,} of {counts['calls'] * executions:,} in the trace "
+             f"({counts['turns'] * executions:,} turns) |",
+             f"| execution tokens (appended + generated) | {counts['tokens'] * executions:,} |",
              f"| prompt tokens sent | {prompt:,.0f} |",
              f"| prefilled (not from the prefix cache) | {prefilled:,.0f} |",
-             f"| unique context tokens | {counts['unique_tokens']:,} |",
-             f"| prefilled / unique | **{prefilled / max(counts['unique_tokens'], 1):.3f}** |",
+             f"| unique context tokens | {unique:,} |",
+             f"| prefilled / unique | **{prefilled / max(unique, 1):.3f}** |",
              f"| trained tokens | {summary['trained_tokens']:,} |",
              f"| TITO records refused by trajectory | {refused} |", "",
              "| service | RSS after start MiB | peak RSS MiB | RSS at the end MiB |", "| --- | --- | --- | --- |"]

@@ -24,6 +24,9 @@ from typing import Any
 from services.common.errors import InvalidArgument
 from services.rollout.chat import text_parts
 
+# Gyre's own body fields (the call's identity, token ids in the reply; see openai_http.py)
+GYRE_FIELDS = ("execution_id", "agent_id", "role", "call_id", "job_id", "attempt", "return_token_ids",
+               "stop_token_ids")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                410: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error"}
 
@@ -73,7 +76,7 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         elif text:
             out.append({"role": "user", "content": "".join(text)})
     chat: dict[str, Any] = {"messages": out, "max_tokens": max_tokens, "stream": bool(body.get("stream"))}
-    for k in ("temperature", "top_p", "top_k", "model"):
+    for k in ("temperature", "top_p", "top_k", "model", *GYRE_FIELDS):
         if body.get(k) is not None:
             chat[k] = body[k]
     if body.get("stop_sequences"):

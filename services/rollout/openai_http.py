@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP endpoint of the gateway: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, and Anthropic's ``/v1/messages`` (``anthropic_http.py``) (stdlib ``http.server``,
+``/v1/models``, Anthropic's ``/v1/messages`` (``anthropic_http.py``) and OpenAI's ``/v1/responses``
+(``responses_http.py``) (stdlib ``http.server``,
 one thread per connection; streaming via SSE).
 
 Each request becomes one gateway call, so it is routed, migrated and recorded (TITO) exactly like
@@ -48,6 +49,7 @@ from services.rollout.calls import CallMeta, Piece
 from services.rollout.chat import PromptCache, Rendered
 from services.rollout.engine import SamplingParams
 from services.rollout import anthropic_http as anthropic
+from services.rollout import responses_http as responses_api
 from services.rollout import tools as tools_mod
 from services.rollout.gateway import Gateway
 
@@ -214,6 +216,14 @@ class OpenAIEndpoint:
             return None, anthropic.stream_from_chat(stream, self.model_name)
         assert result is not None
         return anthropic.from_chat(result, self.model_name), None
+
+    def responses(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
+        """OpenAI Responses (``/v1/responses``), served as the equivalent chat call."""
+        result, stream = self.chat(responses_api.to_chat(body), headers)
+        if stream is not None:
+            return None, responses_api.stream_from_chat(stream, body, self.model_name)
+        assert result is not None
+        return responses_api.from_chat(result, body, self.model_name), None
 
     def completion(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
         prompt = body.get("prompt")
@@ -686,7 +696,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._drain_body()
                 raise
             handler = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completion,
-                       "/v1/messages": ep.messages}.get(route)
+                       "/v1/messages": ep.messages, "/v1/responses": ep.responses}.get(route)
             if handler is None:
                 self._drain_body()
                 raise NotFound(f"no route POST {self.path}")

@@ -376,6 +376,97 @@ def _leased_session(sched: Any, job_id: str, worker_id: str) -> Any:
     return lease
 
 
+RESPONSES_WEATHER = [{"type": "function", "name": "get_weather", "description": "Current weather of a city.",
+                      "parameters": WEATHER[0]["function"]["parameters"]}]
+
+
+def test_openai_responses_api_with_tools_and_streaming_is_one_path(stack: Stack) -> None:
+    """The official client's Responses API (what Codex speaks) against /v1/responses: a forced
+    function call, its output sent back with the whole input (store: false), a streamed answer; one
+    trajectory path; a function_call_output nobody asked for and previous_response_id are 400s."""
+    client = openai.OpenAI(base_url=stack.http.base_url, api_key="unused", max_retries=0, timeout=300)
+    headers = {"x-gyre-execution-id": "ex-responses", "x-gyre-agent-id": "main"}
+    ids = {"return_token_ids": True}
+    inputs: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.responses.create(model=SERVED, instructions="Use the tools.", input=inputs,
+                                    tools=RESPONSES_WEATHER, tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=24, temperature=0, store=False, extra_headers=headers,
+                                    extra_body=ids)  # type: ignore[arg-type]
+    assert first.object == "response" and first.status == "completed"
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert first.usage is not None and first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    g1 = first.model_extra["gyre"]
+
+    inputs += [o.model_dump(exclude_none=True) for o in first.output]
+    inputs.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"})
+    events = list(client.responses.create(model=SERVED, instructions="Use the tools.", input=inputs,
+                                          tools=RESPONSES_WEATHER, tool_choice="none", max_output_tokens=8,
+                                          temperature=0, store=False, stream=True, extra_headers=headers,
+                                          extra_body=ids))  # type: ignore[arg-type]
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text and final.usage is not None and final.usage.output_tokens >= 1
+    g2 = final.model_extra["gyre"]
+    earlier = g1["prompt_ids"] + g1["output_ids"]
+    assert g2["prompt_ids"][: len(earlier)] == earlier  # the call turn re-rendered to its exact ids
+    # the second call reused the first one's KV in the engine's prefix cache
+    assert final.usage.input_tokens_details.cached_tokens >= len(g1["prompt_ids"]) - 128
+
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-responses", job_id="job-smol")
+    assert stats.num_calls == 2 and stats.paths == 1
+    assert stats.trainable_tokens == len(g1["output_ids"]) + len(g2["output_ids"])
+
+    with pytest.raises(openai.BadRequestError, match="no function_call earlier in the input made"):
+        client.responses.create(model=SERVED, input=[inputs[0], {"type": "function_call_output",
+                                                                 "call_id": "call_nobody", "output": "x"}],
+                                max_output_tokens=2, extra_headers=headers)  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match="previous_response_id is not supported"):
+        client.responses.create(model=SERVED, input="and Rome?", previous_response_id=first.id, max_output_tokens=2,
+                                extra_headers=headers)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.responses.create(model="gpt-5", input="hi", max_output_tokens=2, extra_headers=headers)
+    assert stack.forwarder.flush(timeout_s=60)
+    assert stack.trajectory.execution_stats("ex-responses", job_id="job-smol").num_calls == 2  # nothing recorded
+
+
+def test_an_openai_agents_sdk_agent_on_the_responses_api(stack: Stack) -> None:
+    """The Agents SDK's default model class (OpenAIResponsesModel), unmodified, against a session base
+    URL: a tool-calling agent over /v1/responses, recorded as one path."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    from tests.service.scheduler_support import in_process_scheduler
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        asked.append(city)
+        return "sunny, 21 C"
+
+    with in_process_scheduler(stack.redis_url) as sched:
+        lease = _leased_session(sched, "agents-responses-job", "agents-responses-harness")
+        model = OpenAIResponsesModel(model=SERVED, openai_client=openai.AsyncOpenAI(
+            base_url=lease.session_base_url, api_key="unused", max_retries=0))
+        agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model,
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=24, temperature=0, store=False),
+                      tool_use_behavior="stop_on_first_tool")
+        result = asyncio.run(Runner.run(agent, "What is the weather in Paris?"))
+        assert result.final_output == "sunny, 21 C" if asked else "error" in str(result.final_output)
+        assert stack.forwarder.flush(timeout_s=60)
+        stats = stack.trajectory.execution_stats(lease.execution_id, job_id="agents-responses-job")
+        assert stats.num_calls == 1 and stats.paths == 1 and stats.trainable_tokens > 0
+        sched.client.cancel_job("agents-responses-job", "test over")
+
+
 def test_an_openai_agents_sdk_agent_runs_against_a_session_base_url(stack: Stack) -> None:
     """Third-party agent code, unmodified: an openai-agents Agent with a function tool, through its
     chat-completions model, configured with nothing but a lease's session base URL."""
