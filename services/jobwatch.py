@@ -192,12 +192,18 @@ def follow(scheduler: Any, view: JobView, *, stop: Callable[[], bool] = lambda: 
 
 
 def step_rows(view: JobView, *, trainer: Any = None, trajectory: Any = None) -> list[dict[str, Any]]:
-    """One row per published step: time, naive vs tree tokens (trajectory), trainer metrics."""
+    """One row per published step: time, naive vs tree tokens, the training executions' pass rate
+    (reward >= 1, sampled), mean reward, timeouts and their partial rewards, each execution's calls
+    and tokens (trajectory), trainer metrics."""
     rows = []
     for step in sorted(view.steps):
         row: dict[str, Any] = {"step": step, "time_s": view.steps[step]}
         if trajectory is not None:
             naive = tree = 0
+            rewards: list[float] = []
+            timeout_rewards: list[float] = []
+            calls: list[int] = []
+            tokens: list[int] = []
             for eid in view.exec_by_step.get(step, []):
                 try:
                     st = trajectory.execution_stats(eid, job_id=view.job_id)
@@ -205,7 +211,19 @@ def step_rows(view: JobView, *, trainer: Any = None, trajectory: Any = None) -> 
                     continue
                 naive += st.naive_tokens
                 tree += st.tree_tokens
-            row.update(naive_tokens=naive, tree_tokens=tree)
+                calls.append(st.num_calls)
+                tokens.append(st.unique_tokens)
+                if st.reward is not None:
+                    rewards.append(st.reward)
+                    if st.status == "timeout":
+                        timeout_rewards.append(st.reward)
+            row.update(naive_tokens=naive, tree_tokens=tree, execution_calls=calls, execution_tokens=tokens,
+                       timeouts=len(timeout_rewards))
+            if rewards:
+                row.update(train_pass_rate=sum(r >= 1.0 - 1e-9 for r in rewards) / len(rewards),
+                           train_reward=sum(rewards) / len(rewards))
+            if timeout_rewards:
+                row["timeout_reward"] = sum(timeout_rewards) / len(timeout_rewards)
         if trainer is not None:
             try:
                 report = trainer.wait_step(step, timeout_s=1.0)

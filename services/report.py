@@ -2,7 +2,9 @@
 
 Inputs are plain records so any run (elastic, colocate, async, a comparison) can be reported:
 - ``steps``: one dict per step: ``step``, ``time_s`` (since start), ``train_pass_rate``,
-  optional ``heldout_pass_rate``, ``naive_tokens``, ``tree_tokens`` and any other scalars;
+  optional ``heldout_pass_rate``, ``naive_tokens``, ``tree_tokens``, ``timeouts`` and
+  ``timeout_reward``, ``execution_calls`` / ``execution_tokens`` (one entry per execution) and any
+  other scalars;
 - ``evals``: ``{"step", "time_s", "heldout_pass_rate"}`` (held-out, greedy);
 - ``roles``: cell role intervals ``{"cell_id", "role", "start_s", "end_s"}`` (Gantt);
 - ``switches``: ``{"cell_id", "from", "to", "duration_s", "at_s", "migrated"}``;
@@ -104,6 +106,37 @@ def write_report(out_dir: str | Path, *, steps: Sequence[Mapping[str, Any]], eva
     plt.close(fig)
     figures.append(("switch_durations.png", "Duration of each role switch, by direction."))
 
+    calls = [c for s in steps for c in s.get("execution_calls", [])]
+    tokens = [t for s in steps for t in s.get("execution_tokens", [])]
+    if calls:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+        left.hist(calls, bins=min(30, max(3, len(set(calls)))), color="#4C72B0")
+        left.set_xlabel("model calls per execution")
+        left.set_ylabel("executions")
+        right.hist(tokens, bins=30, color="#DD8452")
+        right.set_xlabel("tokens per execution (unique)")
+        fig.suptitle("Executions: calls and tokens")
+        fig.tight_layout()
+        fig.savefig(out / "executions.png", dpi=110)
+        plt.close(fig)
+        figures.append(("executions.png", "Distribution of model calls and of tokens per training execution."))
+    if any("timeouts" in s for s in steps):
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.bar(xs, [s.get("timeouts", 0) for s in steps], color="#C44E52", label="timed-out executions")
+        ax.set_xlabel("step")
+        ax.set_ylabel("executions")
+        twin = ax.twinx()
+        twin.plot(xs, [s.get("timeout_reward", float("nan")) for s in steps], "o-", color="#333333",
+                  label="their mean partial reward")
+        twin.set_ylim(0, 1)
+        twin.set_ylabel("partial reward")
+        ax.set_title("Timeouts and their partial rewards per step")
+        fig.tight_layout()
+        fig.savefig(out / "timeouts.png", dpi=110)
+        plt.close(fig)
+        figures.append(("timeouts.png", "Executions that hit their deadline per step, and the mean reward they were "
+                                        "scored with from their workspace."))
+
     summary = _summary(steps, evals, switches)
     rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                    for k, v in {**meta, **summary}.items())
@@ -132,6 +165,15 @@ def _summary(steps: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, An
         ds = [s["duration_s"] for s in switches if f"{s['from']}->{s['to']}" == direction]
         if ds:
             out[f"switch {direction}"] = f"n={len(ds)}, mean {sum(ds) / len(ds):.2f}s, max {max(ds):.2f}s"
+    calls = [c for s in steps for c in s.get("execution_calls", [])]
+    if calls:
+        tokens = [t for s in steps for t in s.get("execution_tokens", [])]
+        out["per execution"] = (f"{sum(calls) / len(calls):.1f} calls (max {max(calls)}), "
+                                f"{sum(tokens) / max(len(tokens), 1):,.0f} tokens (max {max(tokens, default=0):,})")
+    timeouts = sum(s.get("timeouts", 0) for s in steps)
+    if timeouts:
+        partial = [s["timeout_reward"] * s["timeouts"] for s in steps if "timeout_reward" in s]
+        out["timed out"] = f"{timeouts} executions, mean partial reward {sum(partial) / timeouts:.3f}"
     if steps:
         out["wall-clock"] = f"{steps[-1].get('time_s', 0):.0f}s"
     return out

@@ -55,6 +55,8 @@ class ExecutionStats:
     unique_tokens: int
     complete: bool
     packed: bool
+    status: str = ""  # finished | timeout | failed once its outcome is in
+    reward: float | None = None
 
 
 class BatchStream:
@@ -124,8 +126,9 @@ class TrajectoryClient(GrpcClient):
     def execution_stats(self, execution_id: str, *, job_id: str = "", max_paths: int = 0) -> ExecutionStats:
         r = self._call(self._stub.GetExecutionStats, trajectory_pb2.GetExecutionStatsRequest(
             job_id=job_id, execution_id=execution_id, max_paths=max_paths))
+        status = common_pb2.ExecutionStatus.Name(r.status).removeprefix("EXECUTION_STATUS_").lower() if r.status else ""
         return ExecutionStats(r.paths, r.naive_tokens, r.tree_tokens, r.trainable_tokens, r.num_calls,
-                              r.unique_tokens, r.complete, r.packed)
+                              r.unique_tokens, r.complete, r.packed, status, r.reward if r.has_reward else None)
 
     # ----------------------------------------------------------------- steps
     def open_step(self, job_id: str, step: int, *, num_executions: int = 0, group_size: int = 0,

@@ -66,6 +66,7 @@ class ExecutionView:
     unique_tokens: int
     complete: bool
     packed: bool
+    outcome: Outcome | None = None  # how it ended and its reward, once in
 
 
 @dataclass
@@ -272,18 +273,18 @@ class TrajectoryCore:
             if ex.tree is not None or not ex.packed:
                 tree = self._tree(ex)
                 return ExecutionView(job, eid, tree.stats(cap), len(tree.calls), tree.num_nodes,
-                                     ex.outcome is not None, ex.packed)
+                                     ex.outcome is not None, ex.packed, ex.outcome)
             cached = self.store.stats(job, eid)
             if cached is not None and cap == _cap(cached.get("max_paths", 0)):
                 stats = TreeStats(cached["paths"], cached["naive_tokens"], cached["tree_tokens"],
                                   cached["trainable_tokens"])
-                return ExecutionView(job, eid, stats, ex.num_calls, cached["unique_tokens"], True, True)
+                return ExecutionView(job, eid, stats, ex.num_calls, cached["unique_tokens"], True, True, ex.outcome)
             if ex.num_calls and not self.store.num_calls(job, eid):
                 raise FailedPrecondition(
                     f"the records of execution {eid!r} were deleted after its step was consumed; only its stats "
                     "for the path cap it was trained with remain")
             tree = self._load_tree(job, eid)  # packed and evicted: rebuild a temporary tree
-            return ExecutionView(job, eid, tree.stats(cap), len(tree.calls), tree.num_nodes, True, True)
+            return ExecutionView(job, eid, tree.stats(cap), len(tree.calls), tree.num_nodes, True, True, ex.outcome)
 
     # ================================================================= steps
     def open_step(self, job: str, step: int, *, num_executions: int = 0, group_size: int = 0,

@@ -26,7 +26,11 @@ def stats_to_proto(v: ExecutionView) -> trajectory_pb2.ExecutionStats:
     return trajectory_pb2.ExecutionStats(
         job_id=v.job_id, execution_id=v.execution_id, paths=v.stats.paths, naive_tokens=v.stats.naive_tokens,
         tree_tokens=v.stats.tree_tokens, trainable_tokens=v.stats.trainable_tokens, num_calls=v.num_calls,
-        unique_tokens=v.unique_tokens, complete=v.complete, packed=v.packed)
+        unique_tokens=v.unique_tokens, complete=v.complete, packed=v.packed,
+        status=common_pb2.ExecutionStatus.Name(int(v.outcome.status)) if v.outcome is not None
+        else "EXECUTION_STATUS_UNSPECIFIED",
+        reward=(v.outcome.reward or 0.0) if v.outcome is not None else 0.0,
+        has_reward=v.outcome is not None and v.outcome.reward is not None)
 
 
 @dataclass(frozen=True)

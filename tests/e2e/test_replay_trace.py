@@ -45,6 +45,12 @@ def test_replay_plays_a_trace_on_the_live_stack_and_trains_on_it(tmp_path: Path)
     assert "2,224 prompt tokens" in proc.stdout and "224 generated" in proc.stdout
     report = next((tmp_path / "report").rglob("report.html")).read_text()
     assert "20 calls (0 in flight)" in report
+    # per step, from the trajectory service's outcomes: every execution played all its turns (reward 1)
+    assert "5.0 calls (max 5)" in report
+    rows = [json.loads(x) for x in next((tmp_path / "report").rglob("metrics.jsonl")).read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["train_pass_rate"] for r in steps] == [1.0, 1.0] and all(r["timeouts"] == 0 for r in steps)
+    assert [r["execution_calls"] for r in steps] == [[5, 5], [5, 5]]
     # and the trajectory service took every call's record (none refused)
     refused = [x for x in (logs / "trajectory.log").read_text().splitlines() if "rpc rejected" in x]
     assert not refused, refused[:3]

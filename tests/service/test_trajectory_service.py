@@ -77,6 +77,7 @@ def test_ingest_is_durable_idempotent_and_stats_match_the_tree(start) -> None:
     assert (stats.paths, stats.naive_tokens, stats.tree_tokens, stats.trainable_tokens) == tuple(
         tree.stats().as_dict().values())
     assert stats.num_calls == 12 and stats.unique_tokens == tree.num_nodes and not stats.complete
+    assert stats.status == "" and stats.reward is None  # no outcome yet
     capped = svc.client.execution_stats("e1", job_id=JOB, max_paths=1)
     assert capped.paths == min(1, stats.paths)
 
@@ -84,6 +85,10 @@ def test_ingest_is_durable_idempotent_and_stats_match_the_tree(start) -> None:
     svc.stop()
     svc2 = start()
     assert svc2.client.execution_stats("e1", job_id=JOB).tree_tokens == stats.tree_tokens
+    # an outcome in: the stats say how it ended and its reward (what the run report's per-step rates use)
+    svc2.client.complete_execution(Outcome("e1", "g-e1", Status.TIMEOUT, 0.25, step=0, job_id=JOB))
+    ended = svc2.client.execution_stats("e1", job_id=JOB)
+    assert ended.complete and ended.status == "timeout" and ended.reward == 0.25
     full = calls[-1].prompt_ids.tolist() + calls[-1].output_ids.tolist()
     more = TitoCall("e1", "late", "a0", Role.MAIN, np.array([1, 2]), np.array([-0.5, -0.5]), 1,
                     prompt_ids=np.array(full + [3]), job_id=JOB)

@@ -9,8 +9,9 @@ from services.report import write_report
 
 
 def test_report_files(tmp_path: Path) -> None:
-    steps = [{"step": i, "time_s": 10.0 * i, "train_pass_rate": 0.2 + 0.1 * i, "naive_tokens": 900, "tree_tokens": 300}
-             for i in range(3)]
+    steps = [{"step": i, "time_s": 10.0 * i, "train_pass_rate": 0.2 + 0.1 * i, "naive_tokens": 900, "tree_tokens": 300,
+              "execution_calls": [3, 5, 40], "execution_tokens": [300, 500, 4000], "timeouts": i,
+              **({"timeout_reward": 0.5} if i else {})} for i in range(3)]
     evals = [{"step": 0, "time_s": 0.0, "heldout_pass_rate": 0.25}, {"step": 2, "time_s": 20.0, "heldout_pass_rate": 0.5}]
     roles = [{"cell_id": "cell-0", "role": "train", "start_s": 0, "end_s": 30},
              {"cell_id": "cell-1", "role": "rollout", "start_s": 0, "end_s": 12},
@@ -20,8 +21,10 @@ def test_report_files(tmp_path: Path) -> None:
     page = write_report(tmp_path / "r", steps=steps, evals=evals, roles=roles, switches=switches,
                         meta={"mode": "elastic", "seed": 0})
     text = page.read_text()
-    for png in ("learning_curve.png", "cell_timeline.png", "tokens.png", "switch_durations.png"):
+    for png in ("learning_curve.png", "cell_timeline.png", "tokens.png", "switch_durations.png", "executions.png",
+                "timeouts.png"):
         assert (tmp_path / "r" / png).stat().st_size > 1000 and png in text
     assert "0.250 -&gt; 0.500" in text and "3.00x" in text and "elastic" in text
+    assert "16.0 calls (max 40)" in text and "3 executions, mean partial reward 0.500" in text
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("step") == 3 and kinds.count("switch") == 1 and kinds.count("role") == 4
