@@ -217,6 +217,12 @@ def write(*, calls: list[tuple[int, float]], probes: list[tuple[int, float, floa
         f"{cached * kv_bytes / 2**20:.1f} MiB (each call's entry superseded the previous one). Engine RSS "
         f"{rss[0]:.0f} MiB before, {rss[1]:.0f} MiB after (+{rss[1] - rss[0]:.0f} MiB).",
         "",
+        "## In `make run`",
+        "",
+        "The reuse rate of `make run`'s own job (many short executions of a few calls each) is measured by "
+        "bench/bench_make_run.py in bench/results/make_run.md (93% of prompt tokens came from the engines' "
+        "prefix caches on 2026-12-04); `gyre run` prints it, `gyre watch` shows it live, the report has it.",
+        "",
     ]
     RESULTS.write_text("\n".join(lines))
     print(f"wrote {RESULTS}")
