@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -205,6 +206,7 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
         d.ack()
         log.info("micro-batch already trained (journal replay); skipped", batch_id=d.batch_id, step=step)
         return False
+    t0 = time.perf_counter()
     try:
         if not learner.train(d.batch, commit=journaled_ack(journal, step, d.batch_id, d.batch, d.ack)):
             log.warning("micro-batch re-handed before its ack; result discarded", batch_id=d.batch_id, step=step)
@@ -217,4 +219,8 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
         return False
     m.MICRO_BATCHES.inc()
     m.TOKENS.inc(len(d.batch.input_ids))
+    seconds = time.perf_counter() - t0
+    # progress on long work: a deep micro-batch trains for minutes
+    log.info("micro-batch trained", batch_id=d.batch_id, step=step, tokens=len(d.batch.input_ids),
+             seconds=round(seconds, 3), tok_s=round(len(d.batch.input_ids) / max(seconds, 1e-9), 1))
     return True
