@@ -106,6 +106,29 @@ def write_report(out_dir: str | Path, *, steps: Sequence[Mapping[str, Any]], eva
     plt.close(fig)
     figures.append(("switch_durations.png", "Duration of each role switch, by direction."))
 
+    if any("step_time_s" in s for s in steps):
+        # the trainer core's step: waiting for the step's rollouts (its tail), training, the
+        # all-reduce, the update + weights published to the engines
+        parts = (("waiting for rollouts", "#BBBBBB", lambda r: r.get("train_time_s", 0.0) - r.get("compute_s", 0.0)),
+                 ("training", "#DD8452", lambda r: r.get("compute_s", 0.0)),
+                 ("all-reduce", "#55A868", lambda r: r.get("allreduce_s", 0.0)),
+                 ("update + publish", "#4C72B0", lambda r: r.get("step_time_s", 0.0) - r.get("train_time_s", 0.0)
+                  - r.get("allreduce_s", 0.0)))
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        bottom = [0.0] * len(steps)
+        for label, color, part in parts:
+            heights = [max(part(r), 0.0) for r in steps]
+            ax.bar(xs, heights, bottom=bottom, color=color, label=label)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=8)
+        ax.set_title("Trainer step time")
+        fig.tight_layout()
+        fig.savefig(out / "step_time.png", dpi=110)
+        plt.close(fig)
+        figures.append(("step_time.png", "The trainer core's step time: waiting for the step's rollouts, training "
+                                         "(its own micro-batches), the all-reduce with replicas, update and publish."))
     calls = [c for s in steps for c in s.get("execution_calls", [])]
     tokens = [t for s in steps for t in s.get("execution_tokens", [])]
     if calls:

@@ -11,6 +11,7 @@ from services.report import write_report
 def test_report_files(tmp_path: Path) -> None:
     steps = [{"step": i, "time_s": 10.0 * i, "train_pass_rate": 0.2 + 0.1 * i, "naive_tokens": 900, "tree_tokens": 300,
               "execution_calls": [3, 5, 40], "execution_tokens": [300, 500, 4000], "timeouts": i,
+              "step_time_s": 5.0, "train_time_s": 4.0, "compute_s": 1.5, "allreduce_s": 0.2,
               **({"timeout_reward": 0.5} if i else {})} for i in range(3)]
     evals = [{"step": 0, "time_s": 0.0, "heldout_pass_rate": 0.25}, {"step": 2, "time_s": 20.0, "heldout_pass_rate": 0.5}]
     roles = [{"cell_id": "cell-0", "role": "train", "start_s": 0, "end_s": 30},
@@ -22,7 +23,7 @@ def test_report_files(tmp_path: Path) -> None:
                         meta={"mode": "elastic", "seed": 0})
     text = page.read_text()
     for png in ("learning_curve.png", "cell_timeline.png", "tokens.png", "switch_durations.png", "executions.png",
-                "timeouts.png"):
+                "timeouts.png", "step_time.png"):
         assert (tmp_path / "r" / png).stat().st_size > 1000 and png in text
     assert "0.250 -&gt; 0.500" in text and "3.00x" in text and "elastic" in text
     assert "16.0 calls (max 40)" in text and "3 executions, mean partial reward 0.500" in text
