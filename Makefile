@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/gyre/v1/*.proto)
 PROTO_STAMP := protos/gyre/v1/.generated
 
-.PHONY: install deps redis sandbox proto test test-unit test-service test-e2e run up down status bench lint clean
+.PHONY: install deps redis sandbox proto test test-fast test-unit test-service test-e2e run up down status bench lint clean
 
 install: deps redis sandbox proto  ## create .venv, install Gyre + deps, redis-server, bubblewrap, generated protos
 
@@ -47,6 +47,9 @@ $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
 
 test: install  ## the whole suite: unit, service (real Redis + gRPC), e2e (real processes)
 	$(PY) -m pytest tests -q
+
+test-fast: install  ## everything but the live-stack (slow) tests: a few minutes
+	$(PY) -m pytest tests -q -m "not slow"
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q
