@@ -168,7 +168,8 @@ def build_gateway(cfg: GatewayConfig) -> Built:
     from services.rollout.call_cache import CallCache
     from services.rollout.client import EngineClient
     from services.rollout.gateway import Gateway
-    from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+    from services.rollout.http_server import OpenAIServer
+    from services.rollout.openai_http import OpenAIEndpoint
     from services.rollout.router import Router
     from services.rollout.servicer import GatewayServicer
     from services.rollout.tito import TitoForwarder

@@ -34,7 +34,8 @@ from services.rollout.config import EngineConfig, GatewayConfig
 from services.rollout.engine import SamplingParams
 from services.rollout.host import EngineHost
 from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
-from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.rollout.http_server import OpenAIServer
+from services.rollout.openai_http import OpenAIEndpoint
 from services.rollout.servicer import EngineServicer
 from services.rollout.tito import TitoForwarder
 from services.scheduler.sessions import Sessions

@@ -18,7 +18,8 @@ from services.reward.client import RewardClient
 from services.reward.config import RewardConfig
 from services.reward.main import build_reward
 from services.common.redis_store import connect
-from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.rollout.http_server import OpenAIServer
+from services.rollout.openai_http import OpenAIEndpoint
 from services.scheduler.jobs import ExecState, Mode, TaskSource
 from services.scheduler.orchestrator import Orchestrator
 from services.scheduler.sessions import Sessions

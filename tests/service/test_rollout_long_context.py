@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 from services.common.errors import InvalidArgument
 from services.rollout.calls import CallMeta
 from services.rollout.engine import SamplingParams
-from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.rollout.http_server import OpenAIServer
+from services.rollout.openai_http import OpenAIEndpoint
 from services.rollout.torch_engine import build_tiny_model
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
 from tests.support.rollout_tokenizer import make_chatml_tokenizer

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from services.rollout.openai_http import OpenAIEndpoint, OpenAIServer
+from services.rollout.http_server import OpenAIServer
+from services.rollout.openai_http import OpenAIEndpoint
 from services.trajectory.records import Role
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
 from tests.support.rollout_tokenizer import make_chatml_tokenizer
