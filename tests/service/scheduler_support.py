@@ -7,8 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,10 @@ from services.scheduler.client import SchedulerClient
 from services.scheduler.jobs import JobSpec, Mode, TaskSource
 from services.scheduler.servicer import SERVICE_NAMES, registrations
 from services.scheduler.state import SchedulerState
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+__all__ = ["InProcess", "Proc", "in_process_scheduler", "job_spec", "start_agent", "start_scheduler", "wait_until"]
 
 
 @dataclass
@@ -53,17 +54,6 @@ def job_spec(job_id: str = "j1", **kw: object) -> JobSpec:
                                    staleness_bound=0, execution_timeout_s=600.0)
     base.update(kw)
     return JobSpec(**base)  # type: ignore[arg-type]
-
-
-def wait_until(pred: Callable[[], object], timeout_s: float = 20.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class Proc:
