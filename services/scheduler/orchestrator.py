@@ -264,7 +264,7 @@ class Orchestrator:
         and before the job controller completes it after its final evaluation."""
         try:
             self._maybe_metrics_event(self.state.get_job(job.job_id), self.job_cells(job), force=True)
-        except GyreError as exc:  # Redis briefly away: the job completes all the same
+        except Exception as exc:  # deliberate: figures never hold up the publish (Redis briefly away...)
             log.warning("no last metrics event", job_id=job.job_id, error=str(exc))
 
     def _enqueue_startable(self, job: JobStatus) -> JobStatus:
@@ -453,7 +453,7 @@ class Orchestrator:
             return {}
         try:
             u = self.usage(job_id)
-        except GyreError as exc:
+        except Exception as exc:  # deliberate: a gateway away or closing costs only these figures
             log.info("gateway usage not available", job_id=job_id, error=str(exc))
             self._usage_retry_at = time.monotonic() + 30.0
             return {}
