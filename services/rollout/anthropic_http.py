@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
-from services.rollout.chat import text_parts
+from services.rollout.chat import chat_events, text_parts
 
 # Gyre's own body fields (the call's identity, token ids in the reply; see openai_http.py)
 GYRE_FIELDS = ("execution_id", "agent_id", "role", "call_id", "job_id", "attempt", "return_token_ids",
@@ -145,11 +145,7 @@ def stream_from_chat(chunks: Iterator[bytes], model: str) -> Iterator[bytes]:
     index, text_open, started, reason = -1, False, False, "end_turn"
     usage: dict[str, Any] = {}
     gyre: Any = None
-    for raw in chunks:
-        data = raw.decode().removeprefix("data: ").strip()
-        if data == "[DONE]":
-            continue
-        ev = json.loads(data)
+    for ev in chat_events(chunks):
         if "error" in ev:
             yield event("error", {"error": {"type": "api_error", "message": ev["error"].get("message", "")}})
             return

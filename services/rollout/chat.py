@@ -26,7 +26,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,3 +239,12 @@ class PromptCache:
             while self._tokens > self.max_tokens and len(self._states) > 1:
                 _, dropped = self._states.popitem(last=False)
                 self._tokens -= dropped.tokens
+
+
+def chat_events(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The events of a chat-completions SSE stream (``data: {...}`` chunks), ``[DONE]`` left out:
+    what the Messages and Responses streams are translated from."""
+    for raw in chunks:
+        data = raw.decode().removeprefix("data: ").strip()
+        if data != "[DONE]":
+            yield json.loads(data)

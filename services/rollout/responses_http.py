@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.rollout.chat import chat_events
 
 # Gyre's own body fields (the call's identity, token ids in the reply; see openai_http.py)
 GYRE_FIELDS = ("execution_id", "agent_id", "role", "call_id", "job_id", "attempt", "return_token_ids", "top_k",
@@ -246,11 +247,7 @@ def stream_from_chat(chunks: Iterator[bytes], body: dict[str, Any], model: str) 
     text_item: dict[str, Any] | None = None
     text, reason, gyre = "", None, None
     usage: dict[str, Any] = {}
-    for raw in chunks:
-        data = raw.decode().removeprefix("data: ").strip()
-        if data == "[DONE]":
-            continue
-        ev = json.loads(data)
+    for ev in chat_events(chunks):
         if "error" in ev:
             err = ev["error"]
             yield event("error", {"code": err.get("code") or "server_error", "message": err.get("message", ""),
