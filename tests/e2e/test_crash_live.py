@@ -104,18 +104,30 @@ def _pid_of_replica(replica_id: str) -> int | None:
 
 def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, int]:
     """(replica id, pid) of a trainer replica taking part in a step (the elastic policy moves a
-    freed cell to training once the step's rollout work shrinks): still training its share, or done
-    and waiting for the step's seal and all-reduce (killed after the seal, the core calls the
-    reduce off instead of waiting collective_timeout_s for it, and trains its share again)."""
+    freed cell to training once the step's rollout work shrinks), returned SIGSTOPped before the
+    step's all-reduce: still training its share, or done and waiting for the core to seal the step.
+    Killed there, the core evicts it (at the seal, or by calling the reduce off) and trains its share
+    again. The process is frozen first and the step read again, so that it cannot finish the step
+    between the look and the kill (a replica killed between steps is nobody's member to evict)."""
     with _trainer(data) as trainer:
         while not watch_done():
             status = trainer.status()
             for r in status.replicas:
                 # the core's own replicas (warm ones too) carry their pid; a cell agent's: by argv
-                busy = not (r.left or r.evicted) and r.step == status.step
+                busy = not (r.left or r.evicted) and r.step == status.step and status.phase == "training"
                 pid = (r.pid or _pid_of_replica(r.replica_id)) if busy else None
-                if pid is not None:
+                if pid is None:
+                    continue
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    continue
+                again = trainer.status()
+                if again.phase == "training" and again.step == status.step and any(
+                        x.replica_id == r.replica_id and x.step == again.step and not (x.left or x.evicted)
+                        for x in again.replicas):
                     return r.replica_id, pid
+                os.kill(pid, signal.SIGCONT)  # the step moved on meanwhile: look again
             time.sleep(0.05)
     raise AssertionError("the job ended before any trainer replica joined a step")
 
