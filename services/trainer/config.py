@@ -31,7 +31,7 @@ class TrainerConfig(ServerConfig):
                                                      "layer's activations in the backward instead of keeping them "
                                                      "(less memory per micro-batch token, ~1 more forward).")
     attention: str = setting("auto", "Tree attention of jobs that do not choose one: 'auto' (CPU: block-sparse; "
-                                     "CUDA: dense SDPA up to max_dense_tokens, then flex), 'blocks', 'sdpa' (dense "
+                                     "CUDA: the compiled flex kernel, dense SDPA for tiny batches), 'blocks', 'sdpa' (dense "
                                      "N x N mask) or 'flex'.")
     publish_chunk_mb: int = setting(4, "Size of one WeightChunk when streaming weights, MiB.")
     replica: bool = setting(False, "Run as a data-parallel replica of the core at --core (no server).")

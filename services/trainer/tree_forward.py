@@ -17,7 +17,7 @@ Three mask backends:
 * ``flex``  - a flex_attention ``BlockMask`` built *directly* from the block structure of the
   tree in O((N/B)^2) (no N x N tensor is ever materialized), used through the attention function
   ``gyre_flex`` registered with transformers. On CUDA it runs the compiled block-sparse kernel
-  (``compile_flex``); on CPU, torch 2.13 supports flex_attention both eagerly (the reference
+  (``compile_flex``, dynamic shapes: one compile for every batch length), CUDA's default; on CPU, torch 2.13 supports flex_attention both eagerly (the reference
   implementation, which materializes scores per head: correct, not memory-saving) and compiled
   (a C++ template; ~30 s compile), so CPU defaults to eager flex for correctness checks only.
 
@@ -116,7 +116,9 @@ def _flex_fn(device_type: str, compile_flex: bool) -> Any:
     if not compile_flex:
         return flex_attention
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        # dynamic: one compile serves every batch length (a static compile recompiles for each new
+        # length, 4-7 s apiece on an H200, and after 8 lengths torch gives up: bench/results/cuda.md)
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
     return _COMPILED_FLEX
 
 
@@ -144,6 +146,23 @@ def register_attention() -> None:
 
     AttentionInterface.register("gyre_flex", _gyre_flex_attention)
     _REGISTERED = True
+
+
+def enable_layer_checkpointing(model: torch.nn.Module) -> None:
+    """Checkpoint every decoder layer of a transformers model (non-reentrant). transformers 5.2x
+    names it ``activation_checkpointing_enable`` (the old name warns); earlier 5.x releases, which
+    the pin allows, have only ``gradient_checkpointing_enable``."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def disable_layer_checkpointing(model: torch.nn.Module) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()  # type: ignore[operator]
 
 
 # --- tensors of one micro-batch ------------------------------------------------------------------
@@ -220,7 +239,8 @@ class TreePolicy:
     """Runs a transformers causal LM on packed trees and returns per-target log-probs / entropies.
 
     ``attention``: "sdpa" (dense bool mask), "flex" (BlockMask), "blocks" (block-sparse, any
-    device) or "auto" (CUDA: sdpa up to ``max_dense_tokens``, flex above; CPU: blocks, but for
+    device) or "auto" (CUDA: flex, compiled once for every length, but for batches of at most two flex
+    blocks; CPU: blocks, but for
     batches of at most two blocks). The model's attn_implementation is switched per batch.
     ``checkpoint_layers``: activation checkpointing of the decoder layers. ``chunk_tokens``: a
     batch longer than this trains in chunks (``train_chunked``; 0: never).
@@ -256,8 +276,7 @@ class TreePolicy:
             # batch holds one hidden state per layer, not every intermediate (non-reentrant, so
             # the tree attention's keyword arguments reach the layer; nests with the block-sparse
             # attention's own checkpoint)
-            model.activation_checkpointing_enable(  # type: ignore[operator]
-                activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_layer_checkpointing(model)
 
     @property
     def device(self) -> torch.device:
@@ -267,7 +286,10 @@ class TreePolicy:
         if self.attention != "auto":
             return self.attention
         if self.device.type == "cuda":
-            return "sdpa" if num_tokens <= self.max_dense_tokens else "flex"
+            # the compiled flex kernel beats the dense mask already at 8K tokens on an H200 (1.35x on a
+            # path, 2.1x on packed small trees, with less memory: bench/results/cuda.md); a batch
+            # of one or two flex blocks gains nothing from it
+            return "sdpa" if num_tokens <= 2 * self.flex_block_size else "flex"
         # CPU: the block-sparse backend skips what no query sees (5-6x the dense mask's tokens/s on
         # 8K tokens of packed small trees, bench/results/long_train.md) and has a backward, which
         # flex lacks here; a batch of one or two blocks gains nothing from it

@@ -1,0 +1,143 @@
+"""The CUDA paths: tree attention backends, chunked long paths, the engine's prefix reuse, on a GPU.
+
+Skipped where torch sees no CUDA device (CI); run on a GPU host with
+``pytest tests/unit/test_cuda_paths.py``. Everything here runs in fp32 with TF32 off, so the
+backends are compared with the same tolerances as the CPU tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from services.trainer.model import build_model
+from services.trainer.objective import ObjectiveConfig, policy_loss
+from services.trainer.synthetic import make_step
+from services.trainer.tree_forward import TreePolicy, TreeTensors
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32() -> Iterator[None]:
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _on(t: TreeTensors, device: str) -> TreeTensors:
+    return TreeTensors(**{f.name: getattr(t, f.name).to(device) for f in dataclasses.fields(t)})
+
+
+def _forest(tokens: int, vocab: int) -> TreeTensors:
+    """Executions of ~120 tokens (a trunk, two levels of two branches) packed into one batch."""
+    step = make_step(7, num_executions=max(1, tokens // 120), depth=2, branching=2, micro_batch_tokens=1 << 30,
+                     vocab=vocab)
+    return _on(TreeTensors.from_batch(step.batches[0]), "cuda")
+
+
+def _chain(n: int, vocab: int, seed: int = 0) -> TreeTensors:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    tgt = torch.arange(1, n)
+    return _on(TreeTensors(input_ids=ids, position_ids=torch.arange(n), subtree_end=torch.full((n,), n),
+                           target_index=tgt, target_parent=tgt - 1, target_ids=ids[1:],
+                           old_logprobs=-torch.rand(n - 1, generator=g) * 5, advantages=torch.randn(n - 1, generator=g),
+                           loss_weights=torch.rand(n - 1, generator=g) / n,
+                           weight_version=torch.zeros(n - 1, dtype=torch.int64)), "cuda")
+
+
+def _loss_and_grads(net: torch.nn.Module, policy: TreePolicy, t: TreeTensors) -> tuple[torch.Tensor, dict]:
+    net.zero_grad(set_to_none=True)
+    lp, ent = policy.target_logprobs(t)
+    ((lp * t.loss_weights).sum() + 0.01 * ent.mean()).backward()
+    return lp.detach(), {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict], what: str) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4, msg=lambda m: f"{what} log-probs: {m}")
+    assert got[1].keys() == want[1].keys() and want[1]
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-3, atol=1e-5,
+                                   msg=lambda m, name=name: f"{what} gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("kind,tokens", [("forest", 2048), ("forest", 8192), ("path", 4096)])
+def test_compiled_flex_and_block_sparse_equal_the_dense_mask_in_loss_and_gradients(kind: str, tokens: int) -> None:
+    """The compiled flex BlockMask kernel (CUDA's backend above max_dense_tokens) and the block-sparse
+    backend give the dense SDPA mask's log-probs and every parameter gradient, forward and backward."""
+    net = build_model("tiny", seed=1, device="cuda")
+    vocab = net.config.vocab_size
+    t = _forest(tokens, vocab) if kind == "forest" else _chain(tokens, vocab)
+    dense = _loss_and_grads(net, TreePolicy(net, attention="sdpa", max_dense_tokens=1 << 20), t)
+    flex = _loss_and_grads(net, TreePolicy(net, attention="flex"), t)
+    blocks = _loss_and_grads(net, TreePolicy(net, attention="blocks", sparse_block_tokens=256), t)
+    _assert_same(flex, dense, "flex")
+    _assert_same(blocks, dense, "blocks")
+
+
+def test_auto_uses_flex_and_one_compile_serves_every_batch_length() -> None:
+    """CUDA's auto backend is the compiled flex kernel for all but the smallest batches, compiled
+    with dynamic shapes: micro-batches of many lengths (as a real step's are) all train, each equal
+    to the dense mask (a static compile would recompile per length and give up after 8)."""
+    net = build_model("tiny", seed=2, device="cuda")
+    policy = TreePolicy(net, attention="auto")
+    assert policy.backend_for(3000) == "flex" and policy.backend_for(100) == "sdpa"
+    dense = TreePolicy(net, attention="sdpa", max_dense_tokens=1 << 20)
+    for n in range(1000, 12_000, 1000):  # 11 lengths
+        t = _forest(n, net.config.vocab_size)
+        _assert_same(_loss_and_grads(net, policy, t), _loss_and_grads(net, dense, t), f"flex at {t.num_tokens}")
+
+
+@pytest.mark.parametrize("kind,chunk", [("path", 1024), ("forest", 512)])
+def test_chunked_training_on_cuda_equals_the_whole_batch(kind: str, chunk: int) -> None:
+    net = build_model("tiny", seed=3, device="cuda")
+    vocab = net.config.vocab_size
+    t = _chain(4096, vocab) if kind == "path" else _forest(2048, vocab)
+    cfg = ObjectiveConfig(entropy_coef=0.01)
+
+    def loss_of(lp: torch.Tensor, ent: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        return policy_loss(lp, t.old_logprobs[sel], t.advantages[sel], t.loss_weights[sel], config=cfg,
+                           entropy=ent).loss
+
+    whole = TreePolicy(net, attention="blocks", sparse_block_tokens=128)
+    lp, ent = whole.target_logprobs(t)
+    loss_of(lp, ent, torch.arange(t.num_targets, device="cuda")).backward()
+    ref = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad(set_to_none=True)
+    got = TreePolicy(net, attention="blocks", sparse_block_tokens=128, chunk_tokens=chunk).train_chunked(t, loss_of)
+    assert got is not None
+    torch.testing.assert_close(got[0], lp.detach(), rtol=1e-4, atol=1e-4)
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref.keys() and ref
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_the_engine_on_cuda_reuses_an_agents_context_exactly() -> None:
+    """Greedy calls of a growing context on the CUDA engine: with prefix reuse, the same tokens as
+    without, and each later call prefills only its new tail."""
+    from services.rollout.torch_engine import TorchEngine, build_tiny_model
+    from tests.unit.test_rollout_prefix_cache import _run
+
+    cached = TorchEngine(build_tiny_model(512, seed=1), device="cuda", prefill_chunk_tokens=512)
+    plain = TorchEngine(build_tiny_model(512, seed=1), device="cuda", prefill_chunk_tokens=512, prefix_cache_bytes=0)
+    cached.start(), plain.start()
+    try:
+        rng = np.random.default_rng(0)
+        context = rng.integers(0, 512, 1500).astype(np.int32)
+        for turn in range(3):
+            out_c, lp_c = _run(cached, f"c{turn}", context, 16)
+            out_p, lp_p = _run(plain, f"p{turn}", context, 16)
+            assert out_c == out_p, f"turn {turn}: reuse changed the greedy tokens"
+            np.testing.assert_allclose(lp_c, lp_p, atol=1e-3)
+            context = np.concatenate([context, np.asarray(out_c, np.int32), rng.integers(0, 512, 200).astype(np.int32)])
+        stats = cached.prefix_stats()
+        assert stats["reused_tokens"] > 0.8 * (stats["prompt_tokens"] - 1500)
+    finally:
+        cached.stop(), plain.stop()
