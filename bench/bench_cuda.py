@@ -207,8 +207,10 @@ def main() -> None:
     args = ap.parse_args()
     global DEV
     DEV = args.device
-    if DEV.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("bench_cuda needs a CUDA device (or --device cpu for a smoke run)")
+    if DEV.startswith("cuda") and not torch.cuda.is_available():  # `make bench` on a CPU host goes on
+        print("bench_cuda: no CUDA device here, skipped (--device cpu runs a smoke test of the script); "
+              "the last GPU host's figures are in bench/results/cuda.md")
+        return
     from services.trainer.model import build_model
 
     started = time.time()
