@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -104,11 +105,63 @@ def _core_client(cfg: TrainerConfig) -> Any:  # the client, imported lazily (tor
     return TrainerClient(cfg.core, max_message_mb=cfg.max_message_mb)
 
 
+class ReleaseLatch:
+    """Releases of a pool process's cells, by replica id (``{"release": id}`` lines on stdin, in
+    order after the line that handed the cell over). A release may come before this process has
+    made that replica (the core gives a cell back right after handing it over): it is held and
+    applied the moment the replica starts, instead of being lost (the replica would then train a
+    cell the policy had given back, and the switch would wait for it). A release of a replica
+    that already ended is dropped (ids are unique per switch)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replica: Any = None
+        self._held: set[str] = set()
+
+    def release(self, replica_id: str) -> None:
+        with self._lock:
+            if self._replica is not None and self._replica.replica_id == replica_id:
+                self._replica.interrupt()
+            else:
+                self._held.add(replica_id)
+
+    def started(self, replica: Any) -> None:
+        with self._lock:
+            self._replica = replica
+            held, self._held = replica.replica_id in self._held, set()
+        if held:
+            replica.interrupt()
+
+    def ended(self) -> None:
+        with self._lock:
+            self._replica = None
+
+
+def _read_cells(stdin: Any, cells: "queue.Queue[dict | None]", release: ReleaseLatch) -> None:
+    """A pool process's stdin: cells handed over go to ``cells``, releases to ``release``; None
+    once it closes (the core retires this process) or a line does not parse."""
+    for line in stdin:
+        if not line.strip():
+            continue
+        try:
+            msg = json.loads(line)
+            if "release" in msg:
+                release.release(str(msg["release"]))
+                continue
+            cells.put({"cell_id": str(msg["cell_id"]), "replica_id": str(msg["replica_id"])})
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} or {{\"release\"}} on "
+                  f"stdin: {exc}", file=sys.stderr)
+            break
+    cells.put(None)
+
+
 def _run_pooled(cfg: TrainerConfig) -> int:
     """A pool process (see services/trainer/spawn.py): warm up, tell the core "ready" on the status
     pipe, then run one replica per cell handed over on stdin, telling "free" after each, until
-    stdin ends. SIGUSR1: the current replica leaves now (its cell is given back); SIGTERM: the
-    same, then exit (at once when no cell is being trained)."""
+    stdin ends. ``{"release": replica_id}`` on stdin: that replica leaves now (its cell is given
+    back; ``ReleaseLatch``); SIGTERM: the current one leaves, then exit (at once when no cell is
+    being trained)."""
     from services.trainer.replica import Replica
 
     slog = get_logger("services.trainer.main")
@@ -121,6 +174,7 @@ def _run_pooled(cfg: TrainerConfig) -> int:
 
     current: list[Replica] = []
     exiting = threading.Event()
+    release = ReleaseLatch()
 
     def on_term(*_: Any) -> None:
         exiting.set()
@@ -132,27 +186,18 @@ def _run_pooled(cfg: TrainerConfig) -> int:
             os._exit(0)
         current[0].interrupt()
 
-    def on_release(*_: Any) -> None:
-        if current:
-            current[0].interrupt()
-
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    signal.signal(signal.SIGUSR1, on_release)
+    handed: queue.Queue[dict | None] = queue.Queue()
+    threading.Thread(target=_read_cells, args=(sys.stdin, handed, release), name="pool-stdin", daemon=True).start()
     tell("ready")
     kept: Any = None  # the previous replica's model, reused when the next cell trains the same job
     cells = 0
     while not exiting.is_set():
-        line = sys.stdin.readline()  # the core hands this process a cell, or closes the pipe
-        if not line.strip():
+        task = handed.get()  # the core hands this process a cell, or closes the pipe
+        if task is None:
             return 0
-        try:
-            task = json.loads(line)
-            cell_id, replica_id = str(task["cell_id"]), str(task["replica_id"])
-        except (ValueError, KeyError, TypeError) as exc:
-            print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} on stdin: {exc}",
-                  file=sys.stderr)
-            return 2
+        cell_id, replica_id = task["cell_id"], task["replica_id"]
         cells += 1
         slog.info("warm replica assigned", cell_id=cell_id, replica_id=replica_id, warm_up_s=round(warmed, 3),
                   cells=cells)
@@ -160,11 +205,13 @@ def _run_pooled(cfg: TrainerConfig) -> int:
             replica = Replica(core, replica_id=replica_id, cell_id=cell_id, device=cfg.replica_device,
                               max_steps=cfg.replica_max_steps, stop_event=threading.Event(), reuse=kept)
             current.append(replica)
+            release.started(replica)
             if exiting.is_set():
                 replica.interrupt()
             try:
                 replica.run()
             finally:
+                release.ended()
                 current.clear()
         kept = replica.reusable()
         if exiting.is_set():

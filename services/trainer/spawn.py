@@ -16,7 +16,7 @@ switch, and its release waits for a leave, not for an exit.
     start: pipe(status), Popen(stdin=PIPE) imports, warm-up model run
                            <── "ready" ──  (status pipe)
     AddReplica(cell):  {"cell_id", "replica_id"} ──> stdin: run the replica loop
-    ReleaseReplica:    SIGUSR1 ──────────>  leave now (hand-off), then
+    ReleaseReplica:    {"release": id} ──> stdin: that replica leaves now (hand-off), then
                            <── "free" ───  back to reading stdin
     stop / retire:     close stdin ──────>  exit (SIGTERM: leave if busy, then exit)
 """
@@ -255,12 +255,22 @@ class ReplicaProcesses:
 
     def terminate(self, cell_id: str) -> None:
         """Give the cell back now: its replica leaves its step (gradient hand-off); a pool process
-        (SIGUSR1) then waits for its next cell, any other exits (SIGTERM)."""
+        (a release line on its stdin, after the line that handed the cell over, so the release
+        is never lost however early it comes) then waits for its next cell, any other exits
+        (SIGTERM)."""
         s = self.get(cell_id)
         with self._cv:
             if not self._runs(s):
                 return
-            s.proc.send_signal(signal.SIGUSR1 if s.pooled else signal.SIGTERM)
+            stdin = s.proc.stdin
+            if not s.pooled or stdin is None:
+                s.proc.send_signal(signal.SIGTERM)
+                return
+            try:
+                stdin.write(json.dumps({"release": s.replica_id}).encode() + b"\n")
+                stdin.flush()
+            except OSError:  # it died meanwhile: nothing left to release
+                pass
 
     def wait_exit(self, cell_id: str, timeout_s: float) -> bool:
         """Wait until the cell's replica has ended: left its step and, for a pool process, told the

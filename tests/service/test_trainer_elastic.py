@@ -254,6 +254,54 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(300)
+def test_a_cell_given_back_before_its_pool_process_made_the_replica_is_released(tmp_path: Path) -> None:
+    """The core hands a pool process a cell and gives it back at once (a short switch back), while
+    the process has not yet read the cell's line (here: stopped with SIGSTOP until both are sent).
+    The release, ordered after the hand-over on the process's stdin, still reaches that replica:
+    it leaves without joining the running step and the process is back in the pool. (A release by
+    signal came before the line was read and was lost: the replica joined the step and the switch
+    waited for it.)"""
+    torch.set_num_threads(1)
+    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
+    servicer = TrainerServicer(core)
+    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
+                          service_names=[TRAINER_SERVICE]).start()
+    address = f"127.0.0.1:{server.port}"
+    replicas = ReplicaProcesses(address, log_dir=str(tmp_path), extra_args=("--replica-threads", "1", "--log-json",
+                                                                            "false"), warm=1)
+    servicer.replicas = replicas
+    client = TrainerClient(address)
+    store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)
+    prefix = "gyre/pool-early/synthetic"
+    store.set(f"{prefix}/hold/1", "0")
+    pid = 0
+    try:
+        assert replicas.wait_ready(120), "the pool process did not warm up"
+        [pid] = replicas.warm_pids()
+        client.start_job(TrainerJob(job_id="pool-early", model="tiny", source=SOURCE, num_steps=2, seed=7,
+                                    attention="sdpa"))
+        assert client.wait_step(0, timeout_s=60).finished
+        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        os.kill(pid, signal.SIGSTOP)
+        spawned = replicas.start("cell-a", "s1")
+        assert spawned.pooled and spawned.proc.pid == pid
+        replicas.terminate("cell-a")
+        os.kill(pid, signal.SIGCONT)
+        assert replicas.wait_exit("cell-a", 60), "the released replica did not leave"
+        assert pid in replicas.warm_pids()  # back in the pool, not gone
+        assert not [r for r in client.status().replicas if r.replica_id == spawned.replica_id]  # never joined
+        assert _count(store, f"{prefix}/waiting/1") == 1  # only the core waits in step 1
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        store.set(f"{prefix}/release/1", "1")
+        replicas.stop_all()
+        client.close()
+        core.stop()
+        server.stop(0)
+
+
+@pytest.mark.timeout(300)
 def test_a_replica_gone_after_the_seal_costs_seconds_not_the_collective_timeout() -> None:
     """A replica that reported done, was sealed into the step and then went away before reaching
     the all-reduce (its host died: heartbeats stop): the core calls the reduce off after
