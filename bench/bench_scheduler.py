@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.traces.generate import TraceSpec, generate_trace
-from services.scheduler.bounds import lower_bound
-from services.scheduler.comparison import Comparison, compare
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.bounds import lower_bound
+from services.scheduler.sim.comparison import Comparison, compare
+from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import CellView, ClusterView, Mode, PolicyParams, Role, decide
-from services.scheduler.simulator import simulate
+from services.scheduler.sim.simulator import simulate
 from services.scheduler.traces import load_trace
 
 ROOT = Path(__file__).resolve().parent
@@ -165,7 +165,7 @@ def _report(ref: Row, rows: list[Row], rates: list[tuple[str, int, str, float, i
         "async is the best static split found by sweeping the split at the same staleness bound; "
         "the lower bound is max(total work / cells, longest dependent chain) (no schedule that does not stop "
         "an execution earlier than a solo run would can beat it: an execution with a deadline counts with the "
-        "turns a solo run completes before it, services/scheduler/bounds.py). Every execution of every trace "
+        "turns a solo run completes before it, services/scheduler/sim/bounds.py). Every execution of every trace "
         f"has a deadline of {DEADLINE_S / 3600:.0f} h, as real ones do.",
         "",
         "## Reference regime",

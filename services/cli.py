@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return stats_main(argv[2:])
     if argv[:2] == ["bench", "scheduler"]:
-        from services.scheduler.sim_cli import bench_main
+        from services.scheduler.sim.cli import bench_main
 
         return bench_main(argv[2:])
     if argv[:1] == ["replay"] and "--trace" in argv:

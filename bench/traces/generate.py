@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.traces import TraceExecution, save_trace, trace_stats
 
 

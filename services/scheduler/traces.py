@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.cost_model import CostModel
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.traces.generate import TraceSpec, generate_trace
-from services.scheduler.bounds import lower_bound, rollout_cell_seconds
-from services.scheduler.comparison import compare, sweep_async
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.bounds import lower_bound, rollout_cell_seconds
+from services.scheduler.sim.comparison import compare, sweep_async
+from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import Mode, PolicyParams, Role
-from services.scheduler.sim_cli import bench_main
-from services.scheduler.simulator import Simulator, simulate
+from services.scheduler.sim.cli import bench_main
+from services.scheduler.sim.simulator import Simulator, simulate
 from services.scheduler.traces import TraceExecution, load_trace, save_trace, trace_stats
 
 ELASTIC = PolicyParams(mode=Mode.ELASTIC)
@@ -56,6 +56,22 @@ def test_one_execution_timeline_matches_the_cost_model() -> None:
     # (the other cell's 8.5 s switch to TRAIN finishes later and adds nothing); publish 20 s.
     assert r.makespan_s == pytest.approx(13.5 + 16_100 / 5000 + 20.0)
     assert r.switches == 1 and r.max_staleness == 0
+
+
+def test_cells_that_share_compute_train_no_faster_than_the_cap() -> None:
+    """Colocate: after the rollout every cell trains. Each its own hardware, 3 cells train 3x one's
+    rate; cells sharing one host (max_train_tok_s) train at the cap, and the bound knows it."""
+    trace = [execution(0, "g", "e", [(8000, 50, 3.0)])]  # 1 s prefill + 1 s decode + 3 s tools: 8,050 tokens
+    base = dict(num_cells=3, decode_tok_s=50.0, prefill_tok_s=8000.0, train_tok_s=1000.0, idle_to_rollout_s=0.0,
+                idle_to_train_s=0.0, rollout_to_train_s=0.0, publish_s=0.0)
+    free = simulate(trace, CostModel(**base), COLOCATE)  # type: ignore[arg-type]
+    shared = simulate(trace, CostModel(**base, max_train_tok_s=1500.0), COLOCATE)  # type: ignore[arg-type]
+    assert free.makespan_s == pytest.approx(5.0 + 8050 / 3000)
+    assert shared.makespan_s == pytest.approx(5.0 + 8050 / 1500)
+    assert CostModel(**base, max_train_tok_s=1500.0).train_rate(1) == 1000.0  # type: ignore[arg-type]
+    bound = lower_bound(trace, CostModel(**base, max_train_tok_s=1500.0), 0)  # type: ignore[arg-type]
+    assert bound.lower_bound_s <= shared.makespan_s * (1 + 1e-9)
+    assert bound.chain_bound_s >= 5.0 + 8050 / 1500 - 1e-6
 
 
 def test_concurrent_calls_share_a_cell_at_the_batched_speed() -> None:
@@ -216,6 +232,8 @@ def test_bad_cost_model_is_rejected() -> None:
         CostModel(num_cells=2, kv_capacity_tokens=10, execution_kv_tokens=100)
     with pytest.raises(ValueError, match="decode_tok_s"):
         CostModel(num_cells=2, decode_tok_s=0)
+    with pytest.raises(ValueError, match="max_train_tok_s"):
+        CostModel(num_cells=2, max_train_tok_s=-1)
 
 
 # -- gyre bench scheduler -------------------------------------------------------------------------
@@ -249,7 +267,7 @@ def test_bench_cli_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_executions_with_deadlines_count_the_turns_a_solo_run_completes() -> None:
     from dataclasses import replace
 
-    from services.scheduler.bounds import must_do
+    from services.scheduler.sim.bounds import must_do
 
     cost = CostModel(num_cells=2, idle_to_rollout_s=0.0)
     long = execution(0, "g", "long", [(0, 50, 10.0)] * 10, timeout_s=15.0)

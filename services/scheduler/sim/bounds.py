@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.traces import TraceExecution
 
 
@@ -124,7 +124,7 @@ def lower_bound(trace: Sequence[TraceExecution], cost: CostModel, staleness_boun
     train_cs = float(tokens.sum()) / cost.train_tok_s
     work = work_of(slice(0, n_steps))
 
-    full_rate = cost.num_cells * cost.train_tok_s
+    full_rate = cost.train_rate(cost.num_cells)
     k = staleness_bound
     def chain_dp(with_work: bool) -> float:
         done: list[float] = []  # D_s: earliest time update s can be published

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.bounds import LowerBound, lower_bound
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.bounds import LowerBound, lower_bound
+from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import Mode, PolicyParams
-from services.scheduler.simulator import SimResult, simulate
+from services.scheduler.sim.simulator import SimResult, simulate
 from services.scheduler.traces import TraceExecution
 
 FULL_SWEEP_MAX = 24

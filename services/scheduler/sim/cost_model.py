@@ -14,7 +14,8 @@ and a cell serves its active calls by processor sharing at speed
 per call: decode is memory-bound, so batching is nearly free up to KV capacity (at a full cell
 each call runs ``1 + batch_slowdown_at_full`` times slower, the cell does ``slots / (1 + b)``
 calls' worth of work). In TRAIN a cell processes ``train_tok_s`` trajectory tokens per second
-(data-parallel replicas share the step's backlog). Switching costs ``rollout_to_train_s`` /
+(data-parallel replicas share the step's backlog; ``max_train_tok_s`` caps them together when the
+cells share one host's compute). Switching costs ``rollout_to_train_s`` /
 ``train_to_rollout_s``; migrating an execution moves its context's KV
 (``kv_bytes_per_token``) at ``migration_gb_s``; publishing an update (optimizer step +
 broadcast) takes ``publish_s`` and pauses rollout engines for ``weight_sync_s``.
@@ -46,6 +47,9 @@ class CostModel:
     """Prefill speed of one request alone on a cell, tokens/s."""
     train_tok_s: float = 2_000.0
     """Trajectory tokens one TRAIN cell processes per second (forward + backward)."""
+    max_train_tok_s: float = 0.0
+    """Training throughput of all TRAIN cells together (cells that share one host's compute, such
+    as every cell of a small box); 0: no cap, each cell brings its own hardware."""
     rollout_to_train_s: float = 8.5
     """Role switch ROLLOUT -> TRAIN (stop engine, start replica, pull weights from the core)."""
     train_to_rollout_s: float = 3.5
@@ -76,6 +80,8 @@ class CostModel:
                      "idle_to_train_s", "publish_s", "weight_sync_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_train_tok_s < 0:
+            raise ValueError(f"max_train_tok_s must be >= 0 (0: no cap), got {self.max_train_tok_s}")
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
 
@@ -89,6 +95,12 @@ class CostModel:
         if n_active <= 1 or self.slots <= 1:
             return 1.0
         return 1.0 / (1.0 + self.batch_slowdown_at_full * (n_active - 1) / (self.slots - 1))
+
+    def train_rate(self, train_cells: int) -> float:
+        """Tokens/s that ``train_cells`` TRAIN cells process together (data-parallel, capped by
+        ``max_train_tok_s`` when set)."""
+        rate = train_cells * self.train_tok_s
+        return min(rate, self.max_train_tok_s) if self.max_train_tok_s > 0 else rate
 
     def migration_s(self, context_tokens: int) -> float:
         """Time to move one execution's KV (its context, capped at the window) to another cell."""

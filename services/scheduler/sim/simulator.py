@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.scheduler.cost_model import CostModel
+from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import (
     Action, CellView, ClusterView, Mode, PolicyParams, Role, check_actions, choose_cell, decide,
     effective_staleness_bound,
@@ -327,7 +327,7 @@ class Simulator:
 
     def _advance_training(self) -> None:
         if not self.publishing and self.version < self.n_steps:
-            rate = self._train_cells() * self.cost.train_tok_s
+            rate = self.cost.train_rate(self._train_cells())
             self.trained = min(self.avail[self.version], self.trained + rate * (self.now - self.train_last_t))
         self.train_last_t = self.now
 
@@ -342,7 +342,7 @@ class Simulator:
             self.publishing = True
             self._push(self.now + self.cost.publish_s, EV_PUBLISH)
             return
-        rate = self._train_cells() * self.cost.train_tok_s
+        rate = self.cost.train_rate(self._train_cells())
         if backlog > TOKEN_EPS and rate > 0:
             self._push(self.now + backlog / rate, EV_TRAIN, self.train_epoch)
 
