@@ -61,19 +61,26 @@ def _pass(learner: Any, batches: list[Any]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def bench_tree_vs_paths(repeats: int = 2) -> list[dict[str, Any]]:
+SHAPES: list[tuple[str, dict[str, int]]] = [
+    ("trunk + 2 retries x 2 levels", dict(depth=2, branching=2, context_tokens=48, generated_tokens=48, root_tokens=256)),
+    ("trunk + 3 sub-agents x 2 levels", dict(depth=2, branching=3, context_tokens=32, generated_tokens=32,
+                                              root_tokens=128)),
+    ("long prompt, 4 samples", dict(depth=1, branching=4, context_tokens=0, generated_tokens=96, root_tokens=512))]
+# the same shapes 4x longer, in 4x the budget: where the block-sparse attention (CPU's default above
+# two 256-token blocks) skips what no query sees
+LONG_BUDGET = 4 * BUDGET
+LONG_SHAPES = [(name, {k: 4 * v if k != "depth" and k != "branching" else v for k, v in shape.items()})
+               for name, shape in SHAPES]
+
+
+def bench_tree_vs_paths(repeats: int = 2, *, attention: str = "sdpa", budget: int = BUDGET,
+                        shapes: list[tuple[str, dict[str, int]]] = SHAPES) -> list[dict[str, Any]]:
     rows = []
-    job = TrainerJob(job_id="bench", model=BENCH_MODEL, source="synthetic", attention="sdpa")
+    job = TrainerJob(job_id="bench", model=BENCH_MODEL, source="synthetic", attention=attention)
     learner = build_learner(job, "cpu")
-    shapes = [("trunk + 2 retries x 2 levels", dict(depth=2, branching=2, context_tokens=48, generated_tokens=48,
-                                                     root_tokens=256)),
-              ("trunk + 3 sub-agents x 2 levels", dict(depth=2, branching=3, context_tokens=32,
-                                                        generated_tokens=32, root_tokens=128)),
-              ("long prompt, 4 samples", dict(depth=1, branching=4, context_tokens=0, generated_tokens=96,
-                                              root_tokens=512))]
     for name, shape in shapes:
-        step = make_step(1, num_executions=EXECUTIONS, vocab=4096, micro_batch_tokens=BUDGET, **shape)  # type: ignore[arg-type]
-        path_batches = pack_paths(step.paths, micro_batch_tokens=BUDGET)
+        step = make_step(1, num_executions=EXECUTIONS, vocab=4096, micro_batch_tokens=budget, **shape)  # type: ignore[arg-type]
+        path_batches = pack_paths(step.paths, micro_batch_tokens=budget)
         n_tree, n_path = step.tree_tokens, step.path_tokens
         _pass(learner, step.batches)  # warm-up
         tree, path = [], []
@@ -177,6 +184,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t_start = time.perf_counter()
     tree_rows = bench_tree_vs_paths()
+    long_rows = {attention: bench_tree_vs_paths(attention=attention, budget=LONG_BUDGET, shapes=LONG_SHAPES)
+                 for attention in ("sdpa", "blocks")}
     with tempfile.TemporaryDirectory() as tmp:
         dp = bench_dp_and_join(Path(tmp))
     pub = bench_publish()
@@ -196,6 +205,20 @@ def main() -> None:
         lines.append(f"| {r['shape']} | {r['tree_tokens']} | {r['path_tokens']} | {r['token_ratio']:.2f}x | "
                      f"{r['tree_s']:.2f} | {r['path_s']:.2f} | {r['time_ratio']:.2f}x | {r['wall_ratio']:.2f}x | "
                      f"{r['tree_tok_s']:.0f} | {r['path_tok_s']:.0f} | {'yes' if r['target_met'] else 'NO'} |")
+    lines += ["", f"### 1b. The same shapes 4x longer, micro-batch budget {LONG_BUDGET:,}: dense mask vs block-sparse", "",
+              "| executions | attention | tree tokens | path tokens | token ratio | tree CPU s/step | path CPU s/step "
+              "| time ratio (CPU) | tree tok/s | path tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for attention, rows in long_rows.items():
+        for r in rows:
+            lines.append(f"| {r['shape']} | {attention} | {r['tree_tokens']} | {r['path_tokens']} | "
+                         f"{r['token_ratio']:.2f}x | {r['tree_s']:.2f} | {r['path_s']:.2f} | {r['time_ratio']:.2f}x | "
+                         f"{r['tree_tok_s']:.0f} | {r['path_tok_s']:.0f} |")
+    dense_tree = sum(r["tree_s"] for r in long_rows["sdpa"])
+    sparse_tree = sum(r["tree_s"] for r in long_rows["blocks"])
+    lines += ["", f"Tree-packed steps with the block-sparse attention take {sparse_tree / dense_tree:.2f}x the dense "
+              "mask's CPU time here (same tokens, same gradient). The dense mask's attention costs N^2 per "
+              "micro-batch whatever the tree. The block-sparse one computes only the blocks where a query meets "
+              "its ancestors, so its cost follows the sum of depths, as per-path causal attention's does."]
     speedup = dp["solo_step_s"] / dp["duo_step_s"]
     lines += ["", "Time = CPU seconds of the (single-threaded) training process, median of alternating tree/path "
               "passes after a warm-up: wall time on this shared 2-core machine swings with other jobs' load (the "
@@ -204,8 +227,8 @@ def main() -> None:
               "The time ratio tracks the token ratio because per-token work (projections, MLP, LM head) dominates at "
               "this budget; attention with the dense SDPA mask costs N^2 per micro-batch whatever the tree shape, "
               "so it follows micro-batch fill rather than tokens. At 32K-128K tokens the dense mask is not an "
-              "option (N^2 memory): there the flex_attention BlockMask path computes only the blocks that hold "
-              "ancestor pairs (CPU: flex is forward-only in torch 2.13, so CPU training uses SDPA).",
+              "option (N^2 memory): the block-sparse backend (CPU's default, 1b) and, on CUDA, the compiled flex "
+              "kernel compute only the blocks that hold ancestor pairs.",
               "",
               "## 2. Data-parallel scaling (core alone vs core + 1 replica process, gloo all-reduce)", "",
               "| replicas | step time s (median) | tokens/step | tokens/s | speed-up |", "|---:|---:|---:|---:|---:|",
@@ -227,8 +250,8 @@ def main() -> None:
               f"| AddReplica: process start + imports + model build + JoinStep (joined step {dp['joined_step']}) | "
               f"{dp['join_s']:.2f} |",
               f"| GetWeights of the bench model ({dp['pull_mb']:.0f} MB) | {dp['pull_s']:.2f} |", "",
-              "GPU figures (Qwen3-0.6B-sized config, bf16, flex_attention, 32K-128K tokens): not measured - this "
-              "session had no GPU lent."]
+              "GPU figures (Qwen3-0.6B-sized config, bf16, the compiled flex kernel, 8K-64K tokens): "
+              "bench/results/cuda.md (`python -m bench.bench_cuda` on a GPU host)."]
     text = "\n".join(lines) + "\n"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)

@@ -290,12 +290,14 @@ def _chain(n: int, seed: int = 0) -> TreeTensors:
                        weight_version=torch.zeros(n - 1, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("kind,chunk", [("path", 128), ("path", 192), ("forest", 64)])
+@pytest.mark.parametrize("kind,chunk", [("path", 128), ("path", 192), ("forest", 64), ("path-8k", 2048)])
 def test_chunked_training_equals_the_whole_batch(kind: str, chunk: int, step: SyntheticStep) -> None:
     """A batch trained in chunks (the second pass sends each chunk's key/value gradients back to
     the earlier chunks) gives the whole batch's log-probs and every parameter gradient, on one long
-    path and on a packed forest of branching trees (targets whose parent sits in an earlier chunk)."""
-    t = _chain(700) if kind == "path" else TreeTensors.from_batch(step.batches[0])
+    path (also 8,192 tokens in 2,048-token chunks) and on a packed forest of branching trees
+    (targets whose parent sits in an earlier chunk)."""
+    t = {"path": lambda: _chain(700), "path-8k": lambda: _chain(8192),
+         "forest": lambda: TreeTensors.from_batch(step.batches[0])}[kind]()
     assert t.num_tokens > 2 * chunk
     net = build_model("tiny", seed=3)
     net.train()
