@@ -192,12 +192,20 @@ def follow(scheduler: Any, view: JobView, *, stop: Callable[[], bool] = lambda: 
 
 
 def step_rows(view: JobView, *, trainer: Any = None, trajectory: Any = None) -> list[dict[str, Any]]:
-    """One row per published step: time, naive vs tree tokens, the training executions' pass rate
-    (reward >= 1, sampled), mean reward, timeouts and their partial rewards, each execution's calls
-    and tokens (trajectory), trainer metrics."""
+    """One row per published step: time, role switches during it (count, cell-seconds), naive vs
+    tree tokens, the training executions' pass rate (reward >= 1, sampled), mean reward, timeouts
+    and their partial rewards, each execution's calls and tokens (trajectory), trainer metrics."""
     rows = []
+    before = 0.0
     for step in sorted(view.steps):
         row: dict[str, Any] = {"step": step, "time_s": view.steps[step]}
+        # role switches during the step (from the previous publication to this one): their number
+        # and the cell-seconds spent switching, clipped to the step
+        end = view.steps[step]
+        row["switches"] = sum(1 for w in view.switches if before < w["at_s"] <= end)
+        row["switch_cell_s"] = sum(max(0.0, min(w["at_s"], end) - max(w["at_s"] - w["duration_s"], before))
+                                   for w in view.switches)
+        before = end
         if trajectory is not None:
             naive = tree = 0
             rewards: list[float] = []

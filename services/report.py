@@ -114,21 +114,28 @@ def write_report(out_dir: str | Path, *, steps: Sequence[Mapping[str, Any]], eva
                  ("all-reduce", "#55A868", lambda r: r.get("allreduce_s", 0.0)),
                  ("update + publish", "#4C72B0", lambda r: r.get("step_time_s", 0.0) - r.get("train_time_s", 0.0)
                   - r.get("allreduce_s", 0.0)))
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        fig, ax = plt.subplots(figsize=(9, 3.2))
         bottom = [0.0] * len(steps)
+        switching = any("switch_cell_s" in r for r in steps)
+        width = 0.4 if switching else 0.8
+        core_x = [x - width / 2 for x in xs] if switching else xs
         for label, color, part in parts:
             heights = [max(part(r), 0.0) for r in steps]
-            ax.bar(xs, heights, bottom=bottom, color=color, label=label)
+            ax.bar(core_x, heights, width=width, bottom=bottom, color=color, label=label)
             bottom = [b + h for b, h in zip(bottom, heights)]
+        if switching:  # beside it: what the cells spent switching roles during the step
+            ax.bar([x + width / 2 for x in xs], [r.get("switch_cell_s", 0.0) for r in steps], width=width,
+                   color="#C44E52", hatch="//", label="switching (cell-seconds, all cells)")
         ax.set_xlabel("step")
         ax.set_ylabel("seconds")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_title("Trainer step time")
         fig.tight_layout()
         fig.savefig(out / "step_time.png", dpi=110)
         plt.close(fig)
         figures.append(("step_time.png", "The trainer core's step time: waiting for the step's rollouts, training "
-                                         "(its own micro-batches), the all-reduce with replicas, update and publish."))
+                                         "(its own micro-batches), the all-reduce with replicas, update and publish; "
+                                         "beside it, the cell-seconds spent switching roles during the step."))
     calls = [c for s in steps for c in s.get("execution_calls", [])]
     tokens = [t for s in steps for t in s.get("execution_tokens", [])]
     if calls:

@@ -11,7 +11,7 @@ from services.report import write_report
 def test_report_files(tmp_path: Path) -> None:
     steps = [{"step": i, "time_s": 10.0 * i, "train_pass_rate": 0.2 + 0.1 * i, "naive_tokens": 900, "tree_tokens": 300,
               "execution_calls": [3, 5, 40], "execution_tokens": [300, 500, 4000], "timeouts": i,
-              "step_time_s": 5.0, "train_time_s": 4.0, "compute_s": 1.5, "allreduce_s": 0.2,
+              "step_time_s": 5.0, "train_time_s": 4.0, "compute_s": 1.5, "allreduce_s": 0.2, "switch_cell_s": 0.5 * i,
               **({"timeout_reward": 0.5} if i else {})} for i in range(3)]
     evals = [{"step": 0, "time_s": 0.0, "heldout_pass_rate": 0.25}, {"step": 2, "time_s": 20.0, "heldout_pass_rate": 0.5}]
     roles = [{"cell_id": "cell-0", "role": "train", "start_s": 0, "end_s": 30},
@@ -29,3 +29,18 @@ def test_report_files(tmp_path: Path) -> None:
     assert "16.0 calls (max 40)" in text and "3 executions, mean partial reward 0.500" in text
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("step") == 3 and kinds.count("switch") == 1 and kinds.count("role") == 4
+
+
+def test_step_rows_count_the_switches_of_each_step() -> None:
+    """Switches end in the step whose window (previous publication, this one] holds their end; the
+    cell-seconds spent switching are clipped to each step (one straddling two steps is split)."""
+    from services.jobwatch import JobView, step_rows
+
+    view = JobView("j")
+    view.steps = {0: 10.0, 1: 20.0, 2: 30.0}
+    view.switches = [{"cell_id": "cell-1", "from": "rollout", "to": "train", "duration_s": 2.0, "at_s": 5.0},
+                     {"cell_id": "cell-2", "from": "train", "to": "rollout", "duration_s": 4.0, "at_s": 12.0},
+                     {"cell_id": "cell-1", "from": "train", "to": "rollout", "duration_s": 1.0, "at_s": 19.0}]
+    rows = step_rows(view)
+    assert [r["switches"] for r in rows] == [1, 2, 0]
+    assert [r["switch_cell_s"] for r in rows] == [2.0 + 2.0, 2.0 + 1.0, 0.0]
