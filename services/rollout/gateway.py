@@ -110,6 +110,9 @@ class GatewayCall:
     num_reprefills: int = 0
     cached_tokens: int = 0  # prompt tokens an engine took from its prefix cache (the most, over re-prefills)
     moves: list[MigrationReport] = field(default_factory=list)
+    # the cell it was on when that engine was lost, from the moment its recovery starts (its
+    # cell_id changes before the move is recorded: a drain of the dead cell waits for it meanwhile)
+    lost_cell_id: str = ""
     started_s: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     # The caller found a stop string: end the call as "stop" with only this many output tokens
@@ -386,6 +389,8 @@ class Gateway:
     def _recover(self, call: GatewayCall, exc: Exception, bound: Any) -> None:
         """The engine was lost: resume on another one from what was already streamed."""
         lost = call.cell_id
+        with self._moved:
+            call.lost_cell_id = lost
         try:
             if self.router.get(lost).state == READY:
                 self.router.set_state(lost, DEAD)  # probes revive it if it answers again
@@ -494,7 +499,8 @@ class Gateway:
             return next((m for m in reversed(c.moves) if m.source_cell_id == cell_id), None)
 
         with self._moved:
-            affected = [c for c in self._active.values() if c.cell_id == cell_id or moved_from(c)]
+            affected = [c for c in self._active.values()
+                        if c.cell_id == cell_id or c.lost_cell_id == cell_id or moved_from(c)]
             self._moved.wait_for(lambda: all(moved_from(c) or c.request_id not in self._active
                                              for c in affected), timeout=wait_s)
             reports = []

@@ -203,6 +203,12 @@ class StepMembership:
     def done(self, replica_id: str, step: int, timeout_s: float | None = None) -> Seal:
         """A replica consumed its share of ``step``: block until the world is sealed, return its rank."""
         with self._cv:
+            nxt = self._next.get(replica_id)
+            if nxt is not None and nxt.step == step:
+                # it joined the next step while the current one was sealed and consumed its share
+                # before the core opened that step (the core still reduces and publishes the
+                # sealed one): wait for the core to open it, which moves the replica in
+                self._cv.wait_for(lambda: self._closed or replica_id not in self._next, timeout=timeout_s)
             state = self._state(step)
             m = state.members.get(replica_id)
             if m is None:

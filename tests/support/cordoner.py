@@ -15,6 +15,7 @@ class Cordoner:
         self.attempts = attempts
         self.timeout_s = timeout_s
         self.scheduler = ""
+        self.gateway = ""
         self.migrated = 0
         self.cordons = 0
         self.error = ""
@@ -25,6 +26,8 @@ class Cordoner:
         """Feed `gyre run`'s echo lines: the scheduler's address, then the job id."""
         if line.startswith("scheduler ") and not self.scheduler:
             self.scheduler = line.split()[1]
+        elif line.startswith("gateway ") and "worker" not in line and not self.gateway:
+            self.gateway = line.split()[1]
         elif line.startswith("job: ") and self._thread is None and self.scheduler:
             self._thread = threading.Thread(target=self._run, args=(line.split()[1],), daemon=True)
             self._thread.start()
@@ -36,6 +39,15 @@ class Cordoner:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
+    def _in_flight(self) -> dict[str, int]:
+        """Requests in flight per cell at the gateway ({} before its address is known)."""
+        if not self.gateway:
+            return {}
+        try:
+            return _gateway_in_flight(self.gateway)
+        except Exception:  # the registry's count serves meanwhile (a gateway restarting, say)
+            return {}
+
     def _run(self, job_id: str) -> None:
         from services.scheduler.client import SchedulerClient
 
@@ -44,7 +56,11 @@ class Cordoner:
                 deadline = time.monotonic() + self.timeout_s
                 while not self._stop.is_set() and self.migrated == 0 and self.cordons < self.attempts:
                     assert time.monotonic() < deadline, "no busy rollout cell to cordon"
-                    rolling = sorted((c.cell.inflight, c.cell.cell_id) for c in sched.list_cells()
+                    # requests in flight on each rollout cell now, as the gateway routes them (the
+                    # registry's count lags: a cell it calls busy may have finished its calls)
+                    live = self._in_flight()
+                    rolling = sorted((live.get(c.cell.cell_id, c.cell.inflight), c.cell.cell_id)
+                                     for c in sched.list_cells()
                                      if c.cell.role.value == "rollout" and not c.cell.is_core)
                     # another rollout cell must stay to take the work
                     if len(rolling) < 2 or rolling[-1][0] == 0 or sched.get_job(job_id).running == 0:
@@ -63,6 +79,13 @@ class Cordoner:
                                         if e.kind == "migration" and e.attrs.get("cell_id") == cell)
         except Exception as exc:  # reported by the test
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+def _gateway_in_flight(address: str) -> dict[str, int]:
+    from services.rollout.client import GatewayClient
+
+    with GatewayClient(address) as gateway:
+        return {e.cell_id: int(e.in_flight) for e in gateway.list_engines()}
 
 
 def _role(sched: object, cell_id: str) -> str:

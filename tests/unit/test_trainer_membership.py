@@ -62,6 +62,23 @@ def test_join_while_sealed_lands_in_next_step() -> None:
     assert isinstance(out["late"], Seal) and out["late"].rank == 1  # type: ignore[union-attr]
 
 
+def test_a_late_joiner_done_before_the_core_opens_the_next_step_waits_for_it() -> None:
+    """A replica joins while step 0 is sealed (so it is in step 1), trains its share of step 1 and
+    reports done while the core still publishes step 0: it waits for step 1 to open, then is sealed
+    into it, instead of failing ("not the trainer's current step")."""
+    m = _membership()
+    assert m.core_done(0).world_size == 1
+    assert m.join("late", "cell-x").step == 1
+    out: dict[str, object] = {}
+    t = _done_async(m, "late", 1, out)
+    time.sleep(0.1)
+    assert t.is_alive() and "late" not in out  # waiting for step 1 to open
+    m.open_step(1, 1)
+    assert m.core_done(1).world_size == 2
+    t.join(5)
+    assert out["late"] == Seal(step=1, rank=1, world_size=2, group_prefix="gyre/j/step/1")
+
+
 def test_leave_before_seal_shrinks_world() -> None:
     m = _membership()
     m.join("a", "cell-a")
