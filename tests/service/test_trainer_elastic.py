@@ -35,7 +35,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -189,11 +193,19 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         server.stop(0)
 
 
-@pytest.mark.timeout(300)
-def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> None:
-    """The core's pool of replica processes: a cell given back (ReleaseReplica) frees its process,
-    which waits for the next cell instead of exiting, so the next AddReplica (another cell, the same
-    job) gets it ready: no process start on any later switch. Its step completes with both."""
+@dataclass
+class _Pool:
+    replicas: ReplicaProcesses
+    client: TrainerClient
+    store: Any
+    prefix: str
+    pid: int  # the pool's one process
+
+
+@contextmanager
+def _pool_core(tmp_path: Path, job_id: str) -> Iterator[_Pool]:
+    """A core with a pool of one warm replica process, running a 2-step job whose core blocks in
+    step 1 (the synthetic queue's hold) until the test is done; everything stopped afterwards."""
     torch.set_num_threads(1)
     core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
     servicer = TrainerServicer(core)
@@ -205,16 +217,30 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
     servicer.replicas = replicas
     client = TrainerClient(address)
     store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)
-    prefix = "gyre/pool/synthetic"
+    prefix = f"gyre/{job_id}/synthetic"
     store.set(f"{prefix}/hold/1", "0")
     try:
         assert replicas.wait_ready(120), "the pool process did not warm up"
         [pid] = replicas.warm_pids()
-        client.start_job(TrainerJob(job_id="pool", model="tiny", source=SOURCE, num_steps=2, seed=7,
+        client.start_job(TrainerJob(job_id=job_id, model="tiny", source=SOURCE, num_steps=2, seed=7,
                                     attention="sdpa"))
         assert client.wait_step(0, timeout_s=60).finished
         _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        yield _Pool(replicas, client, store, prefix, pid)
+    finally:
+        replicas.stop_all()
+        client.close()
+        core.stop()
+        server.stop(0)
 
+
+@pytest.mark.timeout(300)
+def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> None:
+    """The core's pool of replica processes: a cell given back (ReleaseReplica) frees its process,
+    which waits for the next cell instead of exiting, so the next AddReplica (another cell, the same
+    job) gets it ready: no process start on any later switch. Its step completes with both."""
+    with _pool_core(tmp_path, "pool") as pool:
+        replicas, client, store, prefix, pid = pool.replicas, pool.client, pool.store, pool.prefix, pool.pid
         a = client.add_replica("cell-a", switch_id="s1", wait_s=120)
         assert (a.pid, a.step) == (pid, 1)
         _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
@@ -245,11 +271,6 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
         assert pid in replicas.warm_pids()
         log = (tmp_path / "replica-warm.log").read_text()
         assert log.count("warm replica assigned") == 2
-    finally:
-        replicas.stop_all()
-        client.close()
-        core.stop()
-        server.stop(0)
     assert replicas.warm_pids() == []
 
 
@@ -261,44 +282,21 @@ def test_a_cell_given_back_before_its_pool_process_made_the_replica_is_released(
     it leaves without joining the running step and the process is back in the pool. (A release by
     signal came before the line was read and was lost: the replica joined the step and the switch
     waited for it.)"""
-    torch.set_num_threads(1)
-    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
-    servicer = TrainerServicer(core)
-    server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
-                          service_names=[TRAINER_SERVICE]).start()
-    address = f"127.0.0.1:{server.port}"
-    replicas = ReplicaProcesses(address, log_dir=str(tmp_path), extra_args=("--replica-threads", "1", "--log-json",
-                                                                            "false"), warm=1)
-    servicer.replicas = replicas
-    client = TrainerClient(address)
-    store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)
-    prefix = "gyre/pool-early/synthetic"
-    store.set(f"{prefix}/hold/1", "0")
-    pid = 0
-    try:
-        assert replicas.wait_ready(120), "the pool process did not warm up"
-        [pid] = replicas.warm_pids()
-        client.start_job(TrainerJob(job_id="pool-early", model="tiny", source=SOURCE, num_steps=2, seed=7,
-                                    attention="sdpa"))
-        assert client.wait_step(0, timeout_s=60).finished
-        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
-        os.kill(pid, signal.SIGSTOP)
-        spawned = replicas.start("cell-a", "s1")
-        assert spawned.pooled and spawned.proc.pid == pid
-        replicas.terminate("cell-a")
-        os.kill(pid, signal.SIGCONT)
-        assert replicas.wait_exit("cell-a", 60), "the released replica did not leave"
-        assert pid in replicas.warm_pids()  # back in the pool, not gone
-        assert not [r for r in client.status().replicas if r.replica_id == spawned.replica_id]  # never joined
-        assert _count(store, f"{prefix}/waiting/1") == 1  # only the core waits in step 1
-    finally:
-        if pid:
+    with _pool_core(tmp_path, "pool-early") as pool:
+        replicas, pid = pool.replicas, pool.pid
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            spawned = replicas.start("cell-a", "s1")
+            assert spawned.pooled and spawned.proc.pid == pid
+            replicas.terminate("cell-a")
             os.kill(pid, signal.SIGCONT)
-        store.set(f"{prefix}/release/1", "1")
-        replicas.stop_all()
-        client.close()
-        core.stop()
-        server.stop(0)
+            assert replicas.wait_exit("cell-a", 60), "the released replica did not leave"
+            assert pid in replicas.warm_pids()  # back in the pool, not gone
+            assert not [r for r in pool.client.status().replicas if r.replica_id == spawned.replica_id]  # never joined
+            assert _count(pool.store, f"{pool.prefix}/waiting/1") == 1  # only the core waits in step 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            pool.store.set(f"{pool.prefix}/release/1", "1")
 
 
 @pytest.mark.timeout(300)

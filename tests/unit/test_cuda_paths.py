@@ -18,6 +18,7 @@ from services.trainer.model import build_model
 from services.trainer.objective import ObjectiveConfig, policy_loss
 from services.trainer.synthetic import make_step
 from services.trainer.tree_forward import TreePolicy, TreeTensors
+from tests.unit.test_trainer_tree_forward import _chain as cpu_chain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -41,15 +42,9 @@ def _forest(tokens: int, vocab: int) -> TreeTensors:
     return _on(TreeTensors.from_batch(step.batches[0]), "cuda")
 
 
-def _chain(n: int, vocab: int, seed: int = 0) -> TreeTensors:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n,), generator=g)
-    tgt = torch.arange(1, n)
-    return _on(TreeTensors(input_ids=ids, position_ids=torch.arange(n), subtree_end=torch.full((n,), n),
-                           target_index=tgt, target_parent=tgt - 1, target_ids=ids[1:],
-                           old_logprobs=-torch.rand(n - 1, generator=g) * 5, advantages=torch.randn(n - 1, generator=g),
-                           loss_weights=torch.rand(n - 1, generator=g) / n,
-                           weight_version=torch.zeros(n - 1, dtype=torch.int64)), "cuda")
+def _chain(n: int) -> TreeTensors:
+    """One path of ``n`` tokens (the CPU tests' ``_chain``: the tiny model's 512 words), on CUDA."""
+    return _on(cpu_chain(n), "cuda")
 
 
 def _loss_and_grads(net: torch.nn.Module, policy: TreePolicy, t: TreeTensors) -> tuple[torch.Tensor, dict]:
@@ -73,7 +68,7 @@ def test_compiled_flex_and_block_sparse_equal_the_dense_mask_in_loss_and_gradien
     backend give the dense SDPA mask's log-probs and every parameter gradient, forward and backward."""
     net = build_model("tiny", seed=1, device="cuda")
     vocab = net.config.vocab_size
-    t = _forest(tokens, vocab) if kind == "forest" else _chain(tokens, vocab)
+    t = _forest(tokens, vocab) if kind == "forest" else _chain(tokens)
     dense = _loss_and_grads(net, TreePolicy(net, attention="sdpa", max_dense_tokens=1 << 20), t)
     flex = _loss_and_grads(net, TreePolicy(net, attention="flex"), t)
     blocks = _loss_and_grads(net, TreePolicy(net, attention="blocks", sparse_block_tokens=256), t)
@@ -98,7 +93,7 @@ def test_auto_uses_flex_and_one_compile_serves_every_batch_length() -> None:
 def test_chunked_training_on_cuda_equals_the_whole_batch(kind: str, chunk: int) -> None:
     net = build_model("tiny", seed=3, device="cuda")
     vocab = net.config.vocab_size
-    t = _chain(4096, vocab) if kind == "path" else _forest(2048, vocab)
+    t = _chain(4096) if kind == "path" else _forest(2048, vocab)
     cfg = ObjectiveConfig(entropy_coef=0.01)
 
     def loss_of(lp: torch.Tensor, ent: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
