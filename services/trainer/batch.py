@@ -62,6 +62,9 @@ class PackedBatchLike(Protocol):
     @property
     def step(self) -> int: ...
 
+    @property
+    def piece_starts(self) -> np.ndarray: ...
+
 
 _INT_FIELDS = ("input_ids", "position_ids", "subtree_end", "parent", "weight_version", "execution_index")
 _FLOAT_FIELDS = ("old_logprobs", "advantages", "loss_weights")
@@ -93,6 +96,15 @@ def validate_batch(batch: PackedBatchLike, *, vocab_size: int, step: int | None 
                               f"[0, {vocab_size}) ({bad.size} such tokens)")
     _validate_tree(batch, n)
     _validate_targets(batch, n, current_version)
+    _validate_pieces(np.asarray(batch.piece_starts), n)
+
+
+def _validate_pieces(starts: np.ndarray, n: int) -> None:
+    if starts.ndim != 1 or (starts.size and starts.dtype.kind not in "iu"):
+        raise InvalidArgument(f"piece_starts must be a 1-D integer array, got shape {starts.shape} dtype {starts.dtype}")
+    if starts.size and (starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= n):
+        raise InvalidArgument(f"piece_starts must start at 0 and increase strictly below {n} tokens, "
+                              f"got {starts[:8].tolist()}{'...' if starts.size > 8 else ''}")
 
 
 def _first(mask: np.ndarray) -> int:

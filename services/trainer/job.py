@@ -88,9 +88,12 @@ class TrainerJob:
     go flex); this bounds the mask's memory, not the batch."""
 
     chunk_tokens: int = 8192
-    """A micro-batch longer than this trains in chunks of about this many tokens with the exact
-    gradient (keys/values of the earlier chunks kept, their gradients sent back; one more forward):
-    activation memory follows the chunk, not the batch or the depth of its paths (0: never)."""
+    """Largest forward, in tokens, when a micro-batch trains in chunks with the exact gradient
+    (keys/values of the earlier chunks kept, their gradients sent back; one more forward). A batch
+    with the trajectory service's piece plan (a path deeper than the step's token budget) trains
+    piece by piece, each piece cut further to this; a batch without a plan longer than this trains in
+    chunks of about this many tokens. Activation memory follows the chunk, not the batch or the
+    depth of its paths (0: no cap)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (less
     memory per micro-batch token, about one more forward of compute)."""

@@ -100,21 +100,22 @@ def tree_block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """``[1, heads, Q, d]`` queries over ``[1, kv_heads, K, d]`` keys/values under the tree mask.
 
     The queries are tokens ``[q_offset, q_offset + Q)`` of the forest and the keys its first
-    ``K = q_offset + Q`` tokens (all of them: ``q_offset`` 0; a chunk of a long batch: its own and
-    every earlier token's, see ``TreePolicy``); ``q_offset`` is a multiple of the block size."""
+    ``K = q_offset + Q`` tokens (all of them: ``q_offset`` 0; a piece of a long batch: its own and
+    every earlier token's, see ``TreePolicy``). A piece may start and end inside a block: its first
+    and last query blocks are cut to the piece, and their key runs to the keys given."""
     gqa = query.shape[1] != key.shape[1]
     b = blocks.block_size
-    if q_offset % b or key.shape[2] != q_offset + query.shape[2]:
-        raise ValueError(f"queries at {q_offset} (+{query.shape[2]}) need keys of the {q_offset + query.shape[2]} "
-                         f"tokens up to their end and a block-aligned start (block {b}); got {key.shape[2]} keys")
+    stop = q_offset + query.shape[2]
+    if q_offset < 0 or key.shape[2] != stop:
+        raise ValueError(f"queries at {q_offset} (+{query.shape[2]}) need keys of the {stop} tokens up to their "
+                         f"end; got {key.shape[2]} keys")
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     outs = []
-    first = q_offset // b
-    last = -(-(q_offset + query.shape[2]) // b)
-    for q in range(first, last):  # a loop over blocks of tokens, not over tokens
-        runs = blocks.runs[q]
-        qs = q * b
-        q_blk = query[:, :, qs - q_offset:qs - q_offset + b]
+    for q in range(q_offset // b, -(-stop // b)):  # a loop over blocks of tokens, not over tokens
+        qs, qe = max(q * b, q_offset), min((q + 1) * b, stop)
+        # keys after the block's last query are invisible to it (causal) and, in a piece, not given
+        runs = tuple((s, min(e, qe)) for s, e in blocks.runs[q] if s < qe)
+        q_blk = query[:, :, qs - q_offset:qe - q_offset]
         if grad:
             outs.append(checkpoint(_block, q_blk, key, value, blocks.subtree_end, runs, qs, scale, gqa,
                                    use_reentrant=False))

@@ -181,6 +181,7 @@ class TreeTensors:
     advantages: torch.Tensor       # float32 [T]
     loss_weights: torch.Tensor     # float32 [T]
     weight_version: torch.Tensor   # int64 [T]
+    piece_starts: tuple[int, ...] = ()  # the packer's piece plan (PackedBatch.piece_starts); () = one piece
 
     @property
     def num_tokens(self) -> int:
@@ -207,6 +208,7 @@ class TreeTensors:
             advantages=t(np.asarray(batch.advantages)[tgt], torch.float32),
             loss_weights=t(np.asarray(batch.loss_weights)[tgt], torch.float32),
             weight_version=t(np.asarray(batch.weight_version)[tgt], torch.int64),
+            piece_starts=tuple(int(x) for x in np.asarray(batch.piece_starts)),
         )
 
 
@@ -242,8 +244,10 @@ class TreePolicy:
     device) or "auto" (CUDA: flex, compiled once for every length, but for batches of at most two flex
     blocks; CPU: blocks, but for
     batches of at most two blocks). The model's attn_implementation is switched per batch.
-    ``checkpoint_layers``: activation checkpointing of the decoder layers. ``chunk_tokens``: a
-    batch longer than this trains in chunks (``train_chunked``; 0: never).
+    ``checkpoint_layers``: activation checkpointing of the decoder layers. A batch with a piece
+    plan (the packer's, for a path deeper than the step's budget) trains piece by piece
+    (``train_chunked``); ``chunk_tokens`` caps a piece, and a batch without a plan longer than it
+    trains in chunks of it (0: no cap).
     """
 
     def __init__(self, model: torch.nn.Module, *, attention: str = "auto", temperature: float = 1.0,
@@ -325,8 +329,19 @@ class TreePolicy:
 
     # -- long batches in chunks ---------------------------------------------------------------------
     def chunked(self, t: TreeTensors) -> bool:
-        """Whether ``t`` trains in chunks (longer than ``chunk_tokens``)."""
-        return self.chunk_tokens > 0 and t.num_tokens > self.chunk_tokens
+        """Whether ``t`` trains in chunks (a piece plan, or longer than ``chunk_tokens``)."""
+        return len(t.piece_starts) > 1 or (self.chunk_tokens > 0 and t.num_tokens > self.chunk_tokens)
+
+    def chunk_bounds(self, t: TreeTensors) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` token ranges ``train_chunked`` runs a forward over: the batch's
+        pieces (one piece without a plan), each cut further into ``chunk_tokens`` if longer."""
+        n, c = t.num_tokens, self.chunk_tokens
+        starts = list(t.piece_starts) or [0]
+        bounds = []
+        for s, e in zip(starts, starts[1:] + [n]):
+            step = c if c > 0 else e - s
+            bounds += [(a, min(a + step, e)) for a in range(s, e, step)]
+        return bounds
 
     def _chunk(self, t: TreeTensors, s: int, e: int, blocks: Any, kv: ChunkKV) -> torch.Tensor:
         """Last hidden states [e - s, H] of tokens [s, e), attending to ``kv.past`` (tokens < s)."""
@@ -337,7 +352,7 @@ class TreePolicy:
     def train_chunked(self, t: TreeTensors, loss_of: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                       *, before_backward: Callable[[], bool] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Accumulate the gradient of a batch longer than ``chunk_tokens``, exactly, holding the
+        """Accumulate the gradient of a batch in pieces (``chunk_bounds``), exactly, holding the
         activations of one chunk at a time; returns the targets' (logprobs, entropy), detached.
 
         The batch is cut into chunks along its token order (DFS: every token's ancestors come
@@ -350,12 +365,11 @@ class TreePolicy:
         the loss is a sum over targets, the parameter gradient equals the unchunked batch's, at
         the cost of one more forward. ``before_backward`` runs between the passes (the queue's
         ack): False leaves the gradient sums untouched and returns None."""
-        b = self.sparse_block_tokens
-        n, c = t.num_tokens, self.chunk_tokens
-        blocks = tree_blocks(t.subtree_end, block_size=b)
+        n = t.num_tokens
+        blocks = tree_blocks(t.subtree_end, block_size=self.sparse_block_tokens)
         if self.model.config._attn_implementation != BLOCKS_IMPLEMENTATION:  # type: ignore[union-attr]
             self.model.set_attn_implementation(BLOCKS_IMPLEMENTATION)  # type: ignore[operator]
-        bounds = [(s, min(s + c, n)) for s in range(0, n, c)]
+        bounds = self.chunk_bounds(t)
         keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> ([1, kv_heads, N, d] x 2)
         with torch.no_grad():
             for s, e in bounds:

@@ -443,7 +443,8 @@ class TrajectoryCore:
             chunks = [c for _, _, c in entries]
             eids = {e for e, _, _ in entries}
             batch = assemble(chunks, step=st.step, advantages={e: st.ready[e].advantage for e in eids},
-                             token_weights={e: 1.0 / (st.ready[e].num_trainable * denom) for e in eids})
+                             token_weights={e: 1.0 / (st.ready[e].num_trainable * denom) for e in eids},
+                             token_budget=budget)
             batch.validate()
             context = sum(len(c.context) for c in chunks)
             batch_id = f"s{st.step}-b{st.next_batch:05d}"

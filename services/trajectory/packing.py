@@ -11,9 +11,11 @@ Splitting (``split_tree``): a tree larger than the budget is cut into contiguous
 ``depth(a) + (b - a)`` tokens. Cuts prefer starts of branches (shallow context) and otherwise
 cut inside a run; the context copies are the split overhead (``Chunk.context``). A path deeper
 than the budget cannot be split this way (its deepest token needs the whole path as context):
-such a chunk exceeds the budget and is packed alone, and the trainer trains it in pieces of its
-``chunk_tokens`` (the keys/values of earlier pieces kept, their gradients sent back: the same
-gradient, activations of one piece; ``TreePolicy.train_chunked``).
+such a chunk is packed alone, and its micro-batch carries a piece plan instead (``piece_starts``:
+consecutive DFS ranges of at most ``token_budget`` tokens each). The trainer runs one forward per
+piece, the keys/values of earlier pieces kept and their gradients sent back
+(``TreePolicy.train_chunked``): the same gradient as one forward over the whole path, the
+activations of one piece. So no forward the packer asks for is longer than the budget, at any depth.
 
 Packing (``pack_chunks``): first-fit decreasing into bins of ``token_budget``.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,6 +58,9 @@ class PackedBatch:            # one micro-batch: a forest of (sub)trees in DFS o
     execution_index: np.ndarray# int32[N] index into execution_ids
     execution_ids: tuple[str, ...]
     step: int
+    # int64[K]: starts of the pieces the trainer runs a forward over, in order (first 0, each piece at
+    # most the step's token budget, later pieces attend to earlier ones' keys/values); empty: one piece
+    piece_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +106,9 @@ class PackedBatch:            # one micro-batch: a forest of (sub)trees in DFS o
         assert (self.loss_weights >= 0).all() and np.isfinite(self.loss_weights).all(), "loss weights"
         assert np.isfinite(self.old_logprobs).all() and np.isfinite(self.advantages).all(), "non-finite values"
         assert (self.weight_version[t] >= 0).all(), "targets carry their weight version"
+        ps = self.piece_starts
+        assert ps.dtype == np.int64 and ps.ndim == 1, "piece_starts: int64[K]"
+        assert len(ps) == 0 or (ps[0] == 0 and (np.diff(ps) > 0).all() and ps[-1] < n), "piece_starts out of order"
         ei = self.execution_index
         assert ((ei >= 0) & (ei < len(self.execution_ids))).all(), "execution_index out of range"
         assert len(set(self.execution_ids)) == len(self.execution_ids), "duplicate execution ids"
@@ -116,14 +124,16 @@ class PackedBatch:            # one micro-batch: a forest of (sub)trees in DFS o
         buf = io.BytesIO()
         arrays = {name: getattr(self, name) for name in _ARRAYS}
         np.savez(buf, **arrays, execution_ids=np.asarray(self.execution_ids, dtype=np.str_),
-                 step=np.asarray(self.step, dtype=np.int64))
+                 step=np.asarray(self.step, dtype=np.int64), piece_starts=self.piece_starts)
         return buf.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PackedBatch:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             fields = {name: z[name] for name in _ARRAYS}
-            return cls(**fields, execution_ids=tuple(str(x) for x in z["execution_ids"]), step=int(z["step"]))
+            pieces = z["piece_starts"] if "piece_starts" in z.files else np.zeros(0, np.int64)  # spooled before pieces
+            return cls(**fields, execution_ids=tuple(str(x) for x in z["execution_ids"]), step=int(z["step"]),
+                       piece_starts=pieces.astype(np.int64, copy=False))
 
 
 # --------------------------------------------------------------------------- splitting
@@ -188,7 +198,7 @@ def split_tree(execution_id: str, tree: TreeArrays, token_budget: int) -> list[C
                 b = limit  # cut inside a run; the next chunk still has half a budget for targets
             elif best > a:
                 b = best
-            else:  # a path deeper than the budget: smallest oversized chunk ending at a run boundary
+            else:  # a path deeper than the budget: the smallest chunk ending at a run boundary (pieces)
                 j = int(np.searchsorted(boundaries, max(a, limit), side="right"))
                 b = int(boundaries[j]) if j < len(boundaries) else n
         chunks.append(Chunk(execution_id, tree, a, b, ancestors(a)))
@@ -218,10 +228,22 @@ def pack_chunks(chunks: Sequence[Chunk], token_budget: int) -> list[list[Chunk]]
     return [[chunks[i] for i in b] for b in pack_sizes([c.size for c in chunks], token_budget)]
 
 
+def plan_pieces(num_tokens: int, token_budget: int) -> np.ndarray:
+    """Piece starts of a micro-batch of ``num_tokens``: empty when it fits ``token_budget``, else
+    consecutive pieces of ``token_budget`` tokens (the last one shorter)."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget is {token_budget}; it must be >= 1")
+    if num_tokens <= token_budget:
+        return np.zeros(0, np.int64)
+    return np.arange(0, num_tokens, token_budget, dtype=np.int64)
+
+
 def assemble(chunks: Sequence[Chunk], *, step: int, advantages: Mapping[str, float],
-             token_weights: Mapping[str, float]) -> PackedBatch:
+             token_weights: Mapping[str, float], token_budget: int = 0) -> PackedBatch:
     """One PackedBatch from ``chunks``; ``token_weights[e]`` is the loss weight of each trainable
-    node of execution ``e`` (1 / (its trainable nodes * executions in the step))."""
+    node of execution ``e`` (1 / (its trainable nodes * executions in the step)). With a
+    ``token_budget``, a batch longer than it (one chunk of a path deeper than the budget) gets a
+    piece plan (``plan_pieces``)."""
     exec_ids: list[str] = []
     where: dict[str, int] = {}
     parts: dict[str, list[np.ndarray]] = {name: [] for name in _ARRAYS}
@@ -258,4 +280,5 @@ def assemble(chunks: Sequence[Chunk], *, step: int, advantages: Mapping[str, flo
         offset += size
     fields: dict[str, np.ndarray] = {name: (np.concatenate(parts[name]) if parts[name] else np.zeros(0))
               .astype(DTYPES[name], copy=False) for name in _ARRAYS}
-    return PackedBatch(**fields, execution_ids=tuple(exec_ids), step=step)
+    pieces = plan_pieces(offset, token_budget) if token_budget else np.zeros(0, np.int64)
+    return PackedBatch(**fields, execution_ids=tuple(exec_ids), step=step, piece_starts=pieces)

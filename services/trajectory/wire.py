@@ -88,7 +88,8 @@ def to_proto(batch: PackedBatch, *, job_id: str = "", batch_id: str = "", step_n
               for name, dt in _WIRE_DTYPES.items()}
     return trajectory_pb2.PackedBatch(
         job_id=job_id, step=batch.step, batch_id=batch_id, num_tokens=len(batch), execution_ids=batch.execution_ids,
-        step_num_executions=step_num_executions, context_tokens=context_tokens, **arrays)
+        step_num_executions=step_num_executions, context_tokens=context_tokens,
+        piece_starts=np.ascontiguousarray(batch.piece_starts, dtype="<i8").tobytes(), **arrays)
 
 
 def from_proto(msg: trajectory_pb2.PackedBatch) -> PackedBatch:
@@ -100,7 +101,10 @@ def from_proto(msg: trajectory_pb2.PackedBatch) -> PackedBatch:
         if len(arr) != n:
             raise InvalidArgument(f"PackedBatch {msg.batch_id!r}: {name} holds {len(arr)} values, num_tokens is {n}")
         arrays[name] = arr.astype(DTYPES[name], copy=False)
-    return PackedBatch(**arrays, execution_ids=tuple(msg.execution_ids), step=int(msg.step))
+    if len(msg.piece_starts) % 8:
+        raise InvalidArgument(f"PackedBatch {msg.batch_id!r}: piece_starts is not a whole number of int64 values")
+    pieces = np.frombuffer(msg.piece_starts, dtype="<i8").astype(np.int64, copy=False)
+    return PackedBatch(**arrays, execution_ids=tuple(msg.execution_ids), step=int(msg.step), piece_starts=pieces)
 
 
 def plan_to_proto(p: StepPlan) -> trajectory_pb2.StepPlan:

@@ -41,9 +41,11 @@ def test_replay_trains_every_trainable_token_once_per_step(tmp_path: Path) -> No
 
 def test_replay_trains_a_path_deeper_than_the_dense_mask_limit(tmp_path: Path) -> None:
     # one execution whose main context grows past 9K tokens: a micro-batch above 8,192 tokens,
-    # which the trainer refused before block-sparse attention (decoder layers checkpointed here)
+    # which the trainer refused before block-sparse attention (decoder layers checkpointed here);
+    # deeper than the 4,096-token budget, so the packer plans pieces of at most 4,096 tokens and
+    # the trainer runs one forward per piece (exact gradient: tests/unit/test_trainer_batch.py)
     records = write_records(tmp_path / "deep.jsonl", executions=1, turns=15, tool_tokens=600, output_tokens=16)
-    (step,) = steps_of(replay(tmp_path, "--records", str(records), "--token-budget", "32768",
+    (step,) = steps_of(replay(tmp_path, "--records", str(records), "--token-budget", "4096",
                               "--activation-checkpointing"))
     assert step["packed_tokens"] > 8192 and step["trained_tokens"] == step["trainable_tokens"] > 0
     assert math.isfinite(step["loss"])

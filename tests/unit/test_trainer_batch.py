@@ -14,7 +14,7 @@ from services.trainer.core import build_learner
 from services.trainer.job import TrainerJob
 from services.trainer.synthetic import make_step
 from services.trainer.tree_forward import TreeTensors
-from services.trajectory.packing import PackedBatch
+from services.trajectory.packing import PackedBatch, plan_pieces
 
 torch.set_num_threads(1)
 
@@ -61,6 +61,9 @@ def _first_target(batch: PackedBatch) -> int:
     ("future_version", "newer than"),
     ("float_ids", "integer"),
     ("bad_execution_index", "execution_index"),
+    ("pieces_not_from_0", "piece_starts"),
+    ("pieces_out_of_order", "piece_starts"),
+    ("piece_past_the_end", "piece_starts"),
 ])
 def test_malformed_batches_rejected(batch: PackedBatch, case: str, match: str) -> None:
     t = _first_target(batch)
@@ -86,6 +89,9 @@ def test_malformed_batches_rejected(batch: PackedBatch, case: str, match: str) -
         "future_version": lambda: _edit(batch, "weight_version", t, 5),
         "float_ids": lambda: _with(batch, input_ids=batch.input_ids.astype(np.float32)),
         "bad_execution_index": lambda: _edit(batch, "execution_index", 0, 7),
+        "pieces_not_from_0": lambda: _with(batch, piece_starts=np.array([5, 20], np.int64)),
+        "pieces_out_of_order": lambda: _with(batch, piece_starts=np.array([0, 20, 20], np.int64)),
+        "piece_past_the_end": lambda: _with(batch, piece_starts=np.array([0, n], np.int64)),
     }[case]()
     with pytest.raises(InvalidArgument, match=match):
         validate_batch(bad, vocab_size=512, step=3, current_version=0)
@@ -113,26 +119,30 @@ def test_learner_rejects_before_touching_gradients(batch: PackedBatch) -> None:
 
 
 def test_learner_trains_a_long_batch_in_chunks_to_the_same_sums(batch: PackedBatch) -> None:
-    """A job's chunk_tokens below the batch's length: the learner trains it in chunks and reaches
-    the same gradient sums and step statistics as in one piece; a refused ack still leaves none."""
+    """A job's chunk_tokens below the batch's length, or the packer's piece plan (pieces that start
+    inside attention blocks): the learner trains it in chunks and reaches the same gradient sums and
+    step statistics as in one piece; a refused ack still leaves none."""
     results = []
-    for chunk in (0, 64):
+    planned = _with(batch, piece_starts=plan_pieces(len(batch.input_ids), 100))
+    assert len(planned.piece_starts) > 2
+    for chunk, b in ((0, batch), (64, batch), (0, planned)):
         job = TrainerJob(job_id="j", model="tiny", source="synthetic", attention="blocks", chunk_tokens=chunk,
                          objective=dataclasses.replace(TrainerJob(job_id="j", source="synthetic").objective,
                                                        entropy_coef=0.01))
         learner = build_learner(job, "cpu")
         learner.policy.sparse_block_tokens, learner.policy.chunk_tokens = 32, chunk  # this batch is small
         learner.begin_step(3, 0)
-        assert learner.policy.chunked(TreeTensors.from_batch(batch)) == (chunk > 0)
-        assert learner.train(batch)
+        assert learner.policy.chunked(TreeTensors.from_batch(b)) == (chunk > 0 or b is planned)
+        assert learner.train(b)
         results.append(({n: p.grad.clone() for n, p in learner.model.named_parameters()},
                         dict(learner.stats.sums), learner.stats.ratio_max, learner.stats.counts["tokens"]))
         before = [p.grad.clone() for p in learner.params]  # type: ignore[union-attr]
-        assert not learner.train(batch, commit=lambda: False)
+        assert not learner.train(b, commit=lambda: False)
         assert all(torch.equal(a, p.grad) for a, p in zip(before, learner.params))
-    (g0, s0, r0, n0), (g1, s1, r1, n1) = results
-    assert n0 == n1 == len(batch.input_ids) and r1 == pytest.approx(r0, rel=1e-5)
-    for k in s0:
-        assert s1[k] == pytest.approx(s0[k], rel=1e-4, abs=1e-7), k
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+    (g0, s0, r0, n0) = results[0]
+    for g1, s1, r1, n1 in results[1:]:
+        assert n0 == n1 == len(batch.input_ids) and r1 == pytest.approx(r0, rel=1e-5)
+        for k in s0:
+            assert s1[k] == pytest.approx(s0[k], rel=1e-4, abs=1e-7), k
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)

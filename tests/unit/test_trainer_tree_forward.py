@@ -8,6 +8,8 @@ must equal the per-path gradient with weights split over the paths sharing a nod
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -290,15 +292,20 @@ def _chain(n: int, seed: int = 0) -> TreeTensors:
                        weight_version=torch.zeros(n - 1, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("kind,chunk", [("path", 128), ("path", 192), ("forest", 64), ("path-8k", 2048)])
-def test_chunked_training_equals_the_whole_batch(kind: str, chunk: int, step: SyntheticStep) -> None:
+@pytest.mark.parametrize("kind,chunk,pieces", [
+    ("path", 128, ()), ("path", 192, ()), ("forest", 64, ()), ("path-8k", 2048, ()),
+    ("path", 0, (0, 100, 250, 333, 600)), ("path", 64, (0, 250, 333)), ("forest", 0, (0, 50, 130, 131))])
+def test_chunked_training_equals_the_whole_batch(kind: str, chunk: int, pieces: tuple[int, ...],
+                                                 step: SyntheticStep) -> None:
     """A batch trained in chunks (the second pass sends each chunk's key/value gradients back to
     the earlier chunks) gives the whole batch's log-probs and every parameter gradient, on one long
     path (also 8,192 tokens in 2,048-token chunks) and on a packed forest of branching trees
-    (targets whose parent sits in an earlier chunk)."""
+    (targets whose parent sits in an earlier chunk); also in the packer's pieces, which start and
+    end inside attention blocks (alone, or cut further by ``chunk_tokens``)."""
     t = {"path": lambda: _chain(700), "path-8k": lambda: _chain(8192),
          "forest": lambda: TreeTensors.from_batch(step.batches[0])}[kind]()
-    assert t.num_tokens > 2 * chunk
+    t = dataclasses.replace(t, piece_starts=pieces)
+    assert t.num_tokens > 2 * max(chunk, 64)
     net = build_model("tiny", seed=3)
     net.train()
     cfg = ObjectiveConfig(entropy_coef=0.01)
@@ -315,6 +322,10 @@ def test_chunked_training_equals_the_whole_batch(kind: str, chunk: int, step: Sy
 
     policy = TreePolicy(net, attention="blocks", sparse_block_tokens=32, chunk_tokens=chunk)
     assert policy.chunked(t) and policy.chunk_tokens % 32 == 0
+    bounds = policy.chunk_bounds(t)
+    assert bounds[0][0] == 0 and bounds[-1][1] == t.num_tokens and all(a < b for a, b in bounds)
+    assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    assert set(pieces) <= {a for a, _ in bounds} and all(b - a <= (chunk or t.num_tokens) for a, b in bounds)
     got = policy.train_chunked(t, loss_of)
     assert got is not None
     torch.testing.assert_close(got[0], lp.detach(), rtol=1e-5, atol=1e-5)

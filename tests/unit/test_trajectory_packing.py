@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.errors import InvalidArgument
+from services.trajectory import wire
 from services.trajectory.advantages import group_advantages, outcome_advantages
 from services.trajectory.packing import PackedBatch, assemble, pack_chunks, split_tree
 from services.trajectory.records import Outcome, Role, Status, TitoCall
@@ -31,7 +33,8 @@ def pack_executions(trees: dict[str, TreeArrays], budget: int, *, step: int = 0,
     d = num_executions or len(trees)
     weights = {eid: 1.0 / (t.num_trainable * d) for eid, t in trees.items()}
     adv = {eid: float(i) - 1.0 for i, eid in enumerate(trees)}
-    batches = [assemble(b, step=step, advantages=adv, token_weights=weights) for b in pack_chunks(chunks, budget)]
+    batches = [assemble(b, step=step, advantages=adv, token_weights=weights, token_budget=budget)
+               for b in pack_chunks(chunks, budget)]
     overhead = sum(len(c.context) for c in chunks)
     return batches, overhead
 
@@ -55,8 +58,7 @@ def test_split_and_pack_keep_every_target_once_with_its_context(seed: int, n_cal
     total_w = 0.0
     for b in batches:
         b.validate()
-        max_depth = max(int(t.depth.max()) for t in trees.values())
-        assert len(b) <= budget or max_depth + 1 > budget // 2
+        assert max(pieces(b)) <= budget  # no forward longer than the budget, at any depth
         for i, p in enumerate(batch_paths(b)):
             eid = b.execution_ids[b.execution_index[i]]
             node = naive[eid].nodes[p]  # every token sits on its true root path
@@ -90,14 +92,31 @@ def test_small_trees_share_a_batch_and_big_ones_split_with_context() -> None:
     assert any(len(b.execution_ids) == 2 for b in batches)  # the small tree fills a gap
 
 
-def test_a_path_deeper_than_the_budget_becomes_one_oversized_chunk() -> None:
+def pieces(b: PackedBatch) -> list[int]:
+    """Lengths of the forwards the trainer runs for ``b`` (its piece plan; the whole batch without one)."""
+    return np.diff(np.append(b.piece_starts, len(b))).tolist() if len(b.piece_starts) else [len(b)]
+
+
+def test_a_path_deeper_than_the_budget_becomes_pieces_within_the_budget() -> None:
     calls = [TitoCall("d", "c", "a", Role.MAIN, np.arange(30, 60), -np.ones(30), 0, prompt_ids=np.arange(1, 21))]
     tree = tree_of(calls).arrays()
     chunks = split_tree("d", tree, 16)
-    assert [c.size for c in chunks] == [50]
+    assert [c.size for c in chunks] == [50]  # the deepest token needs all 49 before it
     batches, _ = pack_executions({"d": tree}, 16)
     assert len(batches) == 1 and len(batches[0]) == 50
     batches[0].validate()
+    assert batches[0].piece_starts.tolist() == [0, 16, 32, 48] and pieces(batches[0]) == [16, 16, 16, 2]
+    again = PackedBatch.from_bytes(batches[0].to_bytes())
+    assert again.piece_starts.tolist() == [0, 16, 32, 48]
+    bad = PackedBatch(**{**batches[0].__dict__, "piece_starts": np.array([0, 32, 16], np.int64)})
+    with pytest.raises(AssertionError, match="piece_starts"):
+        bad.validate()
+    # the plan travels to the trainer in the PackedBatch message
+    msg = wire.to_proto(batches[0], batch_id="b")
+    assert wire.from_proto(msg).piece_starts.tolist() == [0, 16, 32, 48]
+    msg.piece_starts = msg.piece_starts[:-3]
+    with pytest.raises(InvalidArgument, match="piece_starts"):
+        wire.from_proto(msg)
 
 
 def test_loss_weights_give_the_mean_over_executions_of_token_means() -> None:
