@@ -1,6 +1,9 @@
-"""The CUDA paths on a GPU host: tree-attention training and the engine's prefix reuse.
+"""The CUDA paths on a GPU host: tree-attention training, the engine's decode graphs and prefix reuse.
 
     python -m bench.bench_cuda [--out bench/results/cuda.md] [--budget-s 300] [--model qwen3-0.6b]
+                               [--sections decode,engine,train]
+    python -m bench.bench_cuda --device cpu --model tiny --context 1024 --max-tokens 2048 \
+                               --out /tmp/cuda-smoke.md      # smoke run of the script, no GPU
 
 1. **Trainer**: forward + backward of one micro-batch (bf16 autocast over fp32 weights, as the
    trainer's ``dtype = "bfloat16"``) with each attention backend: ``sdpa`` (dense N x N mask),
@@ -11,6 +14,9 @@
 2. **Engine**: a growing agent context on the CUDA engine (bf16): the time of a call that appends
    1K tokens to a 32K context with the prefix cache, against a full prefill of the same prompt;
    decode tokens/s.
+3. **Decode**: greedy decode tokens/s at batch 1 and 8 with the decode forward replayed from CUDA
+   graphs against the eager one (bf16, the same engine otherwise), and their ratio. On
+   ``--device cpu`` the eager default decode against the static forward that the graphs capture.
 
 Rows run in order of importance until ``--budget-s`` is spent; the table says which were left out.
 Random weights of the named model's shapes (no download): speed does not depend on the values.
@@ -129,6 +135,60 @@ def _call(engine: Any, rid: str, prompt: np.ndarray, n: int) -> tuple[float, flo
     return (done.first or time.perf_counter()) - t0, time.perf_counter() - t0, done.tokens
 
 
+def _calls(engine: Any, rid: str, prompts: list[np.ndarray], n: int) -> tuple[float, list[list[int]]]:
+    """(seconds until all finished, tokens of each) of greedy calls submitted together."""
+    from services.rollout.engine import GenRequest, SamplingParams
+
+    dones = [_Done() for _ in prompts]
+    t0 = time.perf_counter()
+    for i, (prompt, done) in enumerate(zip(prompts, dones)):
+        engine.submit(GenRequest(f"{rid}-{i}", prompt, SamplingParams(temperature=0.0, max_new_tokens=n)), done)
+    for i, done in enumerate(dones):
+        assert done.flag.wait(600), f"{rid}-{i} did not finish"
+    return time.perf_counter() - t0, [d.tokens for d in dones]
+
+
+# 64 + 160 tokens stay inside the slot buffers' first 256-token capacity: no reallocation (and no
+# graph recapture) during the timed call, so it measures the steady decode step
+DECODE_PROMPT, DECODE_NEW = 64, 160
+
+
+def decode_rows(spec: str, batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Decode tokens/s with and without CUDA graphs (CPU: default vs static eager forward)."""
+    from services.rollout.torch_engine import TorchEngine
+    from services.trainer.model import build_model
+
+    model = build_model(spec, dtype=torch.bfloat16, device=DEV, seed=0)
+    model.eval()
+    cuda = DEV.startswith("cuda")
+    modes: list[tuple[str, dict]] = ([("eager", {"cuda_graphs": False}), ("graphs", {"cuda_graphs": True})] if cuda
+                                     else [("eager", {}), ("graphs", {"static_decode": True})])
+    rng = np.random.default_rng(1)
+    rows = []
+    for batch in batches:
+        prompts = [rng.integers(3, model.config.vocab_size, DECODE_PROMPT).astype(np.int32) for _ in range(batch)]
+        row: dict[str, Any] = {"section": "decode", "model": spec, "batch": batch, "new_tokens": DECODE_NEW}
+        outs = []
+        for mode, kw in modes:
+            engine = TorchEngine(model, device=DEV, prefix_cache_bytes=0, max_batch_size=max(batches), **kw)
+            engine.start()
+            try:
+                first_s, _ = _calls(engine, "warm", prompts, DECODE_NEW)  # graphs of these shapes captured here
+                seconds, toks = _calls(engine, "timed", prompts, DECODE_NEW)
+            finally:
+                engine.stop()
+            row.update({f"{mode}_tok_s": batch * DECODE_NEW / seconds, f"{mode}_first_s": first_s,
+                        f"{mode}_captures": engine.decode_graph_captures})
+            outs.append(toks)
+        row["ratio"] = row["graphs_tok_s"] / row["eager_tok_s"]
+        # bf16: the graph's masked attention kernel rounds differently, so long greedy runs of random
+        # weights (flat logits, near ties) may part; the count says how many calls agree throughout
+        row["same_calls"] = sum(a == b for a, b in zip(*outs))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def engine_rows(spec: str, context: int = 32768, append: int = 1024) -> list[dict]:
     from services.rollout.torch_engine import TorchEngine
     from services.trainer.model import build_model
@@ -144,7 +204,7 @@ def engine_rows(spec: str, context: int = 32768, append: int = 1024) -> list[dic
     rows = []
     cached.start()
     try:
-        warm = rng.integers(3, vocab, 2048).astype(np.int32)
+        warm = rng.integers(3, vocab, min(2048, context // 2)).astype(np.int32)
         _call(cached, "warm", warm, 4)  # kernels and allocator warmed, not the cache of ctx
         ttft_full, _, first = _call(cached, "turn0", ctx, 16)
         grown = np.concatenate([ctx, np.asarray(first, np.int32), rng.integers(3, vocab, append).astype(np.int32)])
@@ -170,15 +230,33 @@ def engine_rows(spec: str, context: int = 32768, append: int = 1024) -> list[dic
 def write(out: Path, rows: list[dict], skipped: list[str], spec: str, started: float) -> None:
     name = torch.cuda.get_device_properties(0).name if DEV.startswith("cuda") else DEV
     lines = [f"# CUDA paths ({name}, torch {torch.__version__})", "",
-             f"`python -m bench.bench_cuda`: {spec}'s shapes, random weights; {time.time() - started:.0f} s in all.", "",
-             "## Trainer: one micro-batch, forward + backward (bf16 autocast)", "",
-             "| batch | tokens | attention | tokens/s | peak GPU GiB | first call s |", "| --- | ---: | --- | ---: | ---: | ---: |"]
+             f"`python -m bench.bench_cuda`: {spec}'s shapes, random weights; {time.time() - started:.0f} s in all."]
+    if any(r["section"] in ("train", "train-error") for r in rows):
+        lines += ["", "## Trainer: one micro-batch, forward + backward (bf16 autocast)", "",
+                  "| batch | tokens | attention | tokens/s | peak GPU GiB | first call s |",
+                  "| --- | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         if r["section"] == "train":
             lines.append(f"| {r['kind']} | {r['tokens']:,} | {r['attention']} | {r['tok_s']:,.0f} | {r['peak_gib']:.2f} "
                          f"| {r['first_s']:.1f} |")
         elif r["section"] == "train-error":
             lines.append(f"| {r['kind']} | {r['tokens']:,} | {r['attention']} | failed: {r['error'][:80]} | | |")
+    decode = [r for r in rows if r["section"] == "decode"]
+    if decode:
+        other = "graphs" if DEV.startswith("cuda") else "static (eager)"
+        lines += ["", "## Engine decode: CUDA graphs vs eager (bf16)", "",
+                  f"Greedy, {DECODE_PROMPT}-token prompts, {DECODE_NEW} new tokens per call, timed after a warm-up "
+                  "call of the same shapes (which captures the graphs).", "",
+                  f"| batch | eager tokens/s | {other} tokens/s | ratio | first call s (eager / {other}) "
+                  "| graphs captured | calls with equal tokens |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in decode:
+            lines.append(f"| {r['batch']} | {r['eager_tok_s']:,.1f} | {r['graphs_tok_s']:,.1f} | **{r['ratio']:.2f}x** "
+                         f"| {r['eager_first_s']:.2f} / {r['graphs_first_s']:.2f} | {r['graphs_captures']} "
+                         f"| {r['same_calls']} of {r['batch']} |")
+    for r in rows:
+        if r["section"] == "decode-error":
+            lines += ["", f"Decode section failed: {r['error'][:200]}"]
     for r in rows:
         if r["section"] == "engine":
             lines += ["", "## Engine: a growing agent context (bf16)", "",
@@ -204,7 +282,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=131072)
     ap.add_argument("--context", type=int, default=32768, help="the engine section's context, tokens")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sections", default="decode,engine,train", help="comma-separated: decode, engine, train")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     global DEV
     DEV = args.device
     if DEV.startswith("cuda") and not torch.cuda.is_available():  # `make bench` on a CPU host goes on
@@ -217,12 +297,22 @@ def main() -> None:
     rows: list[dict] = []
     skipped: list[str] = []
     out = Path(args.out)
-    try:
-        rows += engine_rows(args.model, context=args.context, append=min(1024, args.context // 8))
-    except Exception as exc:  # noqa: BLE001 - a bench reports what failed and goes on
-        rows.append({"section": "engine-error", "error": f"{type(exc).__name__}: {exc}"})
-    print(json.dumps(rows[-1]), flush=True)
-    write(out, rows, skipped, args.model, started)
+    if "decode" in sections:
+        try:
+            rows += decode_rows(args.model)
+        except Exception as exc:  # noqa: BLE001 - a bench reports what failed and goes on
+            rows.append({"section": "decode-error", "error": f"{type(exc).__name__}: {exc}"})
+            print(json.dumps(rows[-1]), flush=True)
+        write(out, rows, skipped, args.model, started)
+    if "engine" in sections:
+        try:
+            rows += engine_rows(args.model, context=args.context, append=min(1024, args.context // 8))
+        except Exception as exc:  # noqa: BLE001 - a bench reports what failed and goes on
+            rows.append({"section": "engine-error", "error": f"{type(exc).__name__}: {exc}"})
+        print(json.dumps(rows[-1]), flush=True)
+        write(out, rows, skipped, args.model, started)
+    if "train" not in sections:
+        return
     if DEV.startswith("cuda"):
         torch.cuda.empty_cache()
     model = build_model(args.model, dtype=torch.float32, device=DEV, seed=0)

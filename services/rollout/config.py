@@ -36,6 +36,9 @@ class EngineConfig(ServerConfig):
     weight_policy: str = setting("recompute", "On a weight update: 'recompute' in-flight KV under the new "
                                               "version, or 'finish_on_old' (update waits for them).")
     torch_threads: int = setting(0, "torch intra-op threads; 0 = torch's default.")
+    cuda_graphs: bool = setting(True, "On a CUDA device, replay each decode step from a captured CUDA graph "
+                                      "(batch padded to 1, 2, 4, 8, then steps of 8); false = eager decode. "
+                                      "No effect on CPU.")
     kv_transports: tuple[str, ...] = setting(KV_KINDS, "KV receivers offered for incoming migrations, "
                                                        "in preference order (ucx, tcp).")
     attach_wait_s: float = setting(30.0, "How long Attach waits for a migrating request to arrive, seconds.")

@@ -13,6 +13,13 @@ at the cost of a custom attention kernel.
 
 The object also acts as the ``cache`` a transformers decoder layer calls ``update()`` on during
 the decode step (duck-typed: only ``update`` is used when a 4-D mask and position ids are given).
+
+Static decode (``static_decode.py``, CUDA graphs) binds fixed-shape row/position tensors with
+``bind_static`` instead of ``begin_step``: ``update()`` then writes at those device tensors and
+returns the first ``rows`` rows over the whole token capacity, so a step's shapes depend only on
+(bucket, capacity). Its padding rows are free rows, which it reads: ``keep_free_rows_finite()``
+makes every row, not only the occupied ones, finite. ``generation`` counts reallocations (a
+captured graph holds the buffers' addresses and is stale once it changes).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ class SlotKV:
         self.dtype, self.device = dtype, device
         self.n = 0
         self.freed_bytes = 0  # ever freed by reallocations (grown or shrunk buffers)
+        self.generation = 0  # reallocations so far: the buffers' addresses change with it
+        self.zero_free_rows = False  # keep_free_rows_finite() sets it (static decode reads free rows)
         self.lens = np.zeros(slots, dtype=np.int64)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -37,7 +46,7 @@ class SlotKV:
         # set by begin_step() for the decode forward
         self._rows: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
-        self._view_len = 0
+        self._view_rows = self._view_len = 0
 
     @property
     def slot_capacity(self) -> int:
@@ -51,19 +60,29 @@ class SlotKV:
         # torch.empty, not zeros: touching (memset) the whole rectangle costs more than the copy.
         # Invariant instead: every OCCUPIED row is finite over [0, tokens) (masked positions get
         # softmax weight 0, and 0 * finite = 0, but 0 * NaN = NaN); free rows are never read.
+        # Static decode does read free rows (its padding rows): then every row starts at zero.
         shape = (slots, self.kv_heads, tokens, self.head_dim)
-        new_k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new = torch.zeros if self.zero_free_rows else torch.empty
+        new_k = [new(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [new(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         if self.keys and self.n:
             keep = min(self.token_capacity, tokens)
-            for old, new in zip(self.keys + self.values, new_k + new_v):
-                new[: self.n, :, :keep].copy_(old[: self.n, :, :keep])
-                new[: self.n, :, keep:].zero_()
+            for old, buf in zip(self.keys + self.values, new_k + new_v):
+                buf[: self.n, :, :keep].copy_(old[: self.n, :, :keep])
+                buf[: self.n, :, keep:].zero_()
         self.freed_bytes += sum(t.numel() * t.element_size() for t in self.keys + self.values)
         self.keys, self.values = new_k, new_v
+        self.generation += 1
         lens = np.zeros(slots, dtype=np.int64)
         lens[: self.n] = self.lens[: self.n]
         self.lens = lens
+
+    def keep_free_rows_finite(self) -> None:
+        """From now on free rows are finite too (zeros, or an earlier request's finite KV)."""
+        if not self.zero_free_rows:
+            self.zero_free_rows = True
+            for buf in self.keys + self.values:
+                buf[self.n:].zero_()
 
     def reserve(self, *, slots: int, tokens: int) -> None:
         """Make room for ``slots`` rows of ``tokens`` tokens (grows geometrically; never shrinks)."""
@@ -128,13 +147,22 @@ class SlotKV:
         lens = self.lens[: self.n]
         longest = int(lens.max())
         self.reserve(slots=self.n, tokens=longest + 1)
-        self._view_len = longest + 1
+        self._view_rows, self._view_len = self.n, longest + 1
         self._pos = torch.from_numpy(lens.copy()).to(self.device)
         self._rows = torch.arange(self.n, device=self.device)
         if int(lens.min()) == longest:
             return None
         cols = torch.arange(self._view_len, device=self.device)
         return (cols[None, :] <= self._pos[:, None])[:, None, None, :]
+
+    def bind_static(self, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Prepare a static decode step: ``update()`` writes row ``rows[i]``'s key/value at
+        ``pos[i]`` (device tensors of a fixed length, padding included; the caller reserved room)
+        and returns rows ``0..len(rows)-1`` over the whole token capacity. No mask is built here:
+        the caller's covers the capacity. ``end_step()`` closes the step as usual."""
+        assert len(rows) <= self.slot_capacity and self.zero_free_rows, "reserve() and keep_free_rows_finite() first"
+        self._rows, self._pos = rows, pos
+        self._view_rows, self._view_len = len(rows), self.token_capacity
 
     def positions(self) -> torch.Tensor:
         """Position id of each row's new token, ``[n, 1]`` (= its cached length)."""
@@ -153,4 +181,4 @@ class SlotKV:
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
         k_buf[self._rows, :, self._pos] = key_states[:, :, 0]
         v_buf[self._rows, :, self._pos] = value_states[:, :, 0]
-        return k_buf[: self.n, :, : self._view_len], v_buf[: self.n, :, : self._view_len]
+        return k_buf[: self._view_rows, :, : self._view_len], v_buf[: self._view_rows, :, : self._view_len]

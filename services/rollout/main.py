@@ -50,7 +50,8 @@ def _load_engine(cfg: EngineConfig) -> Any:
         max_batch_size=cfg.max_batch_size, max_context=cfg.max_context_tokens or None,
         kv_capacity_tokens=cfg.kv_capacity_tokens or None, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
         weight_policy=cfg.weight_policy, torch_threads=cfg.torch_threads or None,
-        prefix_cache_bytes=None if cfg.prefix_cache_mb < 0 else cfg.prefix_cache_mb << 20)
+        prefix_cache_bytes=None if cfg.prefix_cache_mb < 0 else cfg.prefix_cache_mb << 20,
+        cuda_graphs=None if cfg.cuda_graphs else False)  # None: on when the device is CUDA
     if cfg.model == "random-tiny":
         return TorchEngine(build_tiny_model(), model_name="random-tiny", device=cfg.device, **kwargs)
     from services.models.source import resolve_model

@@ -7,6 +7,7 @@ One engine-loop thread owns the model and every request's state. Each iteration:
     admit waiting    ─▶ prefill (HF DynamicCache, chunked) ─▶ first token ─▶ KV into a slot
     running (n rows) ─▶ ONE batched decode forward: each row's own KV (SlotKV), own position,
                         own length mask ─▶ vectorized sampling ─▶ vectorized stop checks
+                        (on CUDA the forward is a replayed CUDA graph: static_decode.py)
     events           ─▶ on_event(TokenEvent) once per request that produced tokens
 
 Sampling and log-probabilities are defined in ``sampling.py`` (counter-based per-request RNG:
@@ -62,6 +63,7 @@ from services.rollout.engine import (
 from services.rollout.kv_slots import SlotKV
 from services.rollout.prefix_cache import PROMPT_TOKENS, REUSED_TOKENS, PrefixCache
 from services.rollout.sampling import counter_uniforms, pack_rng_state, sample_tokens, top_logprobs, unpack_rng_state
+from services.rollout.static_decode import StaticDecode
 
 log = get_logger(__name__)
 
@@ -193,7 +195,12 @@ class TorchEngine(InferenceEngine):
         weight_version: int = 0,
         torch_threads: int | None = None,
         prefix_cache_bytes: int | None = None,
+        cuda_graphs: bool | None = None,
+        static_decode: bool = False,
     ) -> None:
+        """``cuda_graphs``: replay the decode forward from CUDA graphs (None = on when the device
+        is CUDA). ``static_decode``: run that fixed-shape forward even without graphs (eagerly:
+        tests on CPU); otherwise CPU keeps the default decode (exact lengths, no padding)."""
         if weight_policy not in WEIGHT_POLICIES:
             raise ValueError(f"weight_policy must be one of {WEIGHT_POLICIES}, got {weight_policy!r}")
         if max_batch_size < 1:
@@ -247,6 +254,11 @@ class TorchEngine(InferenceEngine):
         self._prefix_stats = {"prompt_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0}
         self._slots = SlotKV(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
                              dtype=self.dtype, device=self.device)
+        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, this engine runs on {self.device}")
+        self._static = (StaticDecode(self.model, self._slots, cache_kw=self._cache_kw, max_batch_size=max_batch_size,
+                                     graphs=graphs) if graphs or static_decode else None)
         self._freed_mark = 0  # freed KV bytes (slots + prefix cache) at the last memory release
         self._lock = threading.Condition()
         self._commands: list[_Cmd] = []
@@ -425,6 +437,11 @@ class TorchEngine(InferenceEngine):
             active = len(self._known)
         return {"active": active, "kv_tokens": self._kv_tokens, "capacity_tokens": self.kv_capacity_tokens}
 
+    @property
+    def decode_graph_captures(self) -> int:
+        """CUDA graphs of the decode step captured so far (0 without graphs); recaptures count."""
+        return self._static.captures if self._static is not None else 0
+
     # ----------------------------------------------------------------- validation helpers
     def _validate_ids(self, ids: np.ndarray, what: str) -> None:
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
@@ -571,7 +588,9 @@ class TorchEngine(InferenceEngine):
         params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         for name, t in tensors.items():
-            params[name].copy_(t)
+            params[name].copy_(t)  # in place: captured decode graphs read the new values
+        if self._static is not None:
+            self._static.weights_installed()
         self._staged = None
         with self._lock:
             self.weight_version = version
@@ -738,18 +757,12 @@ class TorchEngine(InferenceEngine):
         rs = self._running
         last = np.fromiter((r.out_ids[r.n_gen - 1] for r in rs), np.int64, len(rs))
         n_gen = np.fromiter((r.n_gen for r in rs), np.int64, len(rs))
-        mask = self._slots.begin_step()
-        try:
-            out = self.model(input_ids=torch.from_numpy(last).to(self.device)[:, None],
-                             position_ids=self._slots.positions(), attention_mask=mask, use_cache=True,
-                             **{self._cache_kw: self._slots})
-        finally:
-            self._slots.end_step()
+        logits = self._decode_logits(last)
         u = torch.from_numpy(counter_uniforms(b["seeds"], n_gen.astype(np.uint64))).to(self.device)
-        tok_t, lp_t = sample_tokens(out.logits[:, -1], b["temperature"], b["top_p"], b["top_k"], u)
+        tok_t, lp_t = sample_tokens(logits, b["temperature"], b["top_p"], b["top_k"], u)
         tok = tok_t.cpu().numpy()
         lp = lp_t.cpu().numpy()
-        tops = (top_logprobs(out.logits[:, -1], [r.req.params.temperature for r in rs],
+        tops = (top_logprobs(logits, [r.req.params.temperature for r in rs],
                              [r.req.params.top_logprobs for r in rs]) if b["want_tops"] else [None] * len(rs))
         n_after = n_gen + 1
         stop = (b["stops"] == tok[:, None]).any(axis=1)
@@ -764,6 +777,19 @@ class TorchEngine(InferenceEngine):
         for r, reason in done:
             self._finish(r, reason)
         STEP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _decode_logits(self, last: np.ndarray) -> torch.Tensor:
+        """Next-token logits ``[n, vocab]`` of the running rows, whose last tokens are ``last``."""
+        if self._static is not None:  # fixed shapes, a CUDA graph on CUDA (static_decode.py)
+            return self._static.logits(last)
+        mask = self._slots.begin_step()
+        try:
+            out = self.model(input_ids=torch.from_numpy(last).to(self.device)[:, None],
+                             position_ids=self._slots.positions(), attention_mask=mask, use_cache=True,
+                             **{self._cache_kw: self._slots})
+        finally:
+            self._slots.end_step()
+        return out.logits[:, -1]
 
     # ----------------------------------------------------------------- finishing and events
     def _finish(self, r: _Req, reason: str) -> None:

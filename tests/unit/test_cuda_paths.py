@@ -1,4 +1,5 @@
-"""The CUDA paths: tree attention backends, chunked long paths, the engine's prefix reuse, on a GPU.
+"""The CUDA paths: tree attention backends, chunked long paths, the engine's prefix reuse and its
+decode CUDA graphs, on a GPU.
 
 Skipped where torch sees no CUDA device (CI); run on a GPU host with
 ``pytest tests/unit/test_cuda_paths.py``. Everything here runs in fp32 with TF32 off, so the
@@ -8,7 +9,8 @@ backends are compared with the same tolerances as the CPU tests.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -136,3 +138,103 @@ def test_the_engine_on_cuda_reuses_an_agents_context_exactly() -> None:
         assert stats["reused_tokens"] > 0.8 * (stats["prompt_tokens"] - 1500)
     finally:
         cached.stop(), plain.stop()
+
+
+
+def _decode(engine: object, specs: list[tuple[str, np.ndarray, int]],
+            joining: list[tuple[str, np.ndarray, int]] = ()) -> dict[str, tuple[list[int], list[float]]]:  # type: ignore[assignment]
+    """Greedy requests submitted together, then ``joining`` once the first has 5 tokens (rows join
+    and leave mid-decode); each one's (tokens, logprobs)."""
+    from services.rollout.engine import GenRequest, SamplingParams
+    from tests.unit.test_rollout_engine import Collector
+
+    col = Collector()
+
+    def submit(batch: list[tuple[str, np.ndarray, int]]) -> None:
+        for rid, prompt, n in batch:
+            engine.submit(GenRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=n)), col)  # type: ignore[attr-defined]
+
+    submit(specs)
+    if joining:
+        while len(col.tokens(specs[0][0])) < 5:
+            threading.Event().wait(0.001)
+        submit(joining)
+    for rid, _, _ in [*specs, *joining]:
+        col.wait(rid)
+    return {rid: (col.tokens(rid), col.logprobs(rid)) for rid, _, _ in [*specs, *joining]}
+
+
+def _assert_same_decode(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for rid, (toks, lps) in want.items():
+        assert got[rid][0] == toks, f"{rid}: the graph decode changed the tokens"
+        np.testing.assert_allclose(got[rid][1], lps, atol=1e-4, err_msg=rid)
+
+
+def _graph_and_eager_engines() -> tuple:
+    from services.rollout.torch_engine import TorchEngine, build_tiny_model
+
+    graphs = TorchEngine(build_tiny_model(512, seed=4), device="cuda", prefix_cache_bytes=0)  # graphs: CUDA's default
+    eager = TorchEngine(build_tiny_model(512, seed=4), device="cuda", prefix_cache_bytes=0, cuda_graphs=False)
+    assert graphs._static is not None and graphs._static.graphs and eager._static is None
+    return graphs, eager
+
+
+def _prompts(seed: int) -> Callable[[int], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return lambda n: rng.integers(0, 512, n).astype(np.int32)
+
+
+def test_the_engines_decode_graphs_equal_the_eager_decode() -> None:
+    """Batch 1, three lengths padded to a bucket of 4, and rows joining and leaving mid-decode
+    (buckets 1 to 8): the replayed graphs give the eager decode's greedy tokens and log-probs."""
+    graphs, eager = _graph_and_eager_engines()
+    prompt = _prompts(0)
+    one = [("one", prompt(9), 40)]
+    three = [("a", prompt(3), 30), ("b", prompt(40), 25), ("c", prompt(17), 35)]
+    early, churn = [("early", prompt(12), 70)], [(f"j{i}", prompt(4 + 9 * i), 6 + 7 * i) for i in range(6)]
+    graphs.start(), eager.start()
+    try:
+        for specs, joining in ((one, []), (three, []), (early, churn)):
+            _assert_same_decode(_decode(graphs, specs, joining), _decode(eager, specs, joining))
+        assert graphs._static.captures >= 4  # buckets 1, 4 and 8 at least (2 as rows leave)
+    finally:
+        graphs.stop(), eager.stop()
+
+
+def test_decode_graphs_are_recaptured_after_a_capacity_change_and_a_weight_swap() -> None:
+    """A capacity change (the slot buffers reallocated) recaptures; graphs survive requests and
+    in-place weight updates (a replay reads the new values), and are dropped when a parameter's
+    storage changes. Each stage's tokens equal the eager engine's under the same weights."""
+    graphs, eager = _graph_and_eager_engines()
+    static = graphs._static
+    prompt = _prompts(1)
+    grow = [("long", prompt(200), 120), ("short", prompt(10), 90)]  # past the 256-token buffer
+    small = [("x", prompt(8), 20)]
+    graphs.start(), eager.start()
+    try:
+        gen = graphs._slots.generation
+        _assert_same_decode(_decode(graphs, grow), _decode(eager, grow))
+        assert graphs._slots.generation > gen and static.captures >= 3  # bucket 2 at 256 and 512 tokens, 1 at 512
+        assert static.graph_count <= 2  # the old capacity's graphs were dropped
+        _assert_same_decode(_decode(graphs, small), _decode(eager, small))
+        captured = static.captures
+        _assert_same_decode(_decode(graphs, small), _decode(eager, small))
+        assert static.captures == captured  # same bucket and capacity: replayed, not recaptured
+
+        update = {n: p.detach() * 1.1 for n, p in graphs.model.named_parameters()}
+        for e in (graphs, eager):
+            e.update_weights(update, version=1)
+            assert e.wait_weight_version(1, timeout_s=30)
+        _assert_same_decode(_decode(graphs, small), _decode(eager, small))
+        assert static.captures == captured  # copied in place: the graphs read the new weights
+
+        for e in (graphs, eager):  # new storage for one parameter, then weights installed into it
+            norm = e.model.model.norm
+            norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
+            e.update_weights({"model.norm.weight": norm.weight.detach() * 1.5}, version=2)
+            assert e.wait_weight_version(2, timeout_s=30)
+        _assert_same_decode(_decode(graphs, small), _decode(eager, small))
+        assert static.captures == captured + 1  # dropped, then captured again on the new storage
+    finally:
+        graphs.stop(), eager.stop()
