@@ -61,6 +61,9 @@ class Piece:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
+    # grammar-constrained requests only: bool[k] no other token allowed / float32[k] unmasked logprob
+    forced: np.ndarray | None = None
+    policy_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs), "one logprob per token"

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.rollout.grammar import GrammarSpec
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,6 +49,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # None: the engine picks one and reports it in TokenEvent.seed
     top_logprobs: int = 0  # also report the this-many most likely tokens of each position (0..20)
+    # the output must match this grammar (services/rollout/grammar.py); None: unconstrained
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -114,6 +118,11 @@ class TokenEvent:
     top_logprobs: np.ndarray | None = None
     # Context tokens whose KV came from the engine's prefix cache (not prefilled) for this request.
     cached_tokens: int = 0
+    # Grammar-constrained requests only (else None), per token: the grammar allowed no other token
+    # (bool[k]), and the token's logprob under the unmasked policy (float32[k]; ``logprobs`` are
+    # the masked distribution's, the one it was sampled from). See services/rollout/grammar.py.
+    forced: np.ndarray | None = None
+    policy_logprobs: np.ndarray | None = None
 
 
 @dataclass

@@ -102,6 +102,8 @@ class GatewayCall:
     out_logprobs: list[np.ndarray] = field(default_factory=list)
     out_top_ids: list[np.ndarray] = field(default_factory=list)  # [k, K] per piece (top_logprobs > 0)
     out_top_lps: list[np.ndarray] = field(default_factory=list)
+    out_forced: list[np.ndarray] = field(default_factory=list)  # per piece, grammar-constrained calls only
+    out_policy: list[np.ndarray] = field(default_factory=list)
     generated: int = 0
     weight_version: int = -1
     seed: int = 0
@@ -129,6 +131,15 @@ class GatewayCall:
     def output(self) -> tuple[np.ndarray, np.ndarray]:
         return concat(self.out_ids, np.int32), concat(self.out_logprobs, np.float32)
 
+    def constrained_output(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(forced bool[n], unmasked-policy logprobs float32[n]) of a grammar-constrained call."""
+        if self.params.grammar is None:
+            return None
+        forced, policy = concat(self.out_forced, np.bool_), concat(self.out_policy, np.float32)
+        if len(forced) != self.generated:  # an engine that reported none: every token a free choice
+            return np.zeros(self.generated, bool), self.output()[1]
+        return forced, policy
+
     def top_output(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Each output position's K most likely ids and logprobs ([n, K]), when asked for."""
         if not self.out_top_ids:
@@ -144,6 +155,9 @@ class GatewayCall:
         tops = self.top_output()
         if tops is not None:
             self.out_top_ids, self.out_top_lps = [tops[0][:keep]], [tops[1][:keep]]
+        constrained = self.constrained_output()
+        if constrained is not None:
+            self.out_forced, self.out_policy = [constrained[0][:keep]], [constrained[1][:keep]]
         self.out_ids, self.out_logprobs = [ids[:keep]], [lps[:keep]]
         self.generated = keep
         self.finish_reason = "stop"
@@ -348,6 +362,9 @@ class Gateway:
                 if piece.top_ids is not None and piece.top_logprobs is not None:
                     call.out_top_ids.append(piece.top_ids[skip:])
                     call.out_top_lps.append(piece.top_logprobs[skip:])
+                if piece.forced is not None and piece.policy_logprobs is not None:
+                    call.out_forced.append(piece.forced[skip:])
+                    call.out_policy.append(piece.policy_logprobs[skip:])
                 version = piece.weight_version
                 call.weight_version = version if call.weight_version < 0 else min(call.weight_version, version)
             call.seed = piece.seed or call.seed
@@ -434,11 +451,13 @@ class Gateway:
         self.calls.put(call.meta.execution_id, call.meta.call_id, np.concatenate([call.prompt_ids, ids]))
         if self.on_record is not None and call.meta.execution_id:
             m = call.meta
+            forced, policy = call.constrained_output() or (None, None)
             self.on_record(TitoCall(
                 execution_id=m.execution_id, call_id=m.call_id or call.request_id, agent_id=m.agent_id,
                 role=Role.parse(m.role), output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
                 prompt_ids=call.prompt_ids, job_id=m.job_id, finished_at_s=time.time(),
-                finish_reason=call.finish_reason, attempt=m.attempt))
+                finish_reason=call.finish_reason, attempt=m.attempt, output_forced=forced,
+                output_policy_logprobs=policy))
 
     # -- draining ---------------------------------------------------------------------------
     def drain_engine(self, cell_id: str, transport: str = "auto", *, keep_registered: bool = False,

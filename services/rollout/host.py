@@ -137,13 +137,22 @@ class RequestChannel:
         last = run[-1]
         tops = [e.top_ids for e in run]
         has_tops = all(t is not None for t in tops) and any(len(e.token_ids) for e in run)
+        constrained = any(e.forced is not None for e in run)
         yield Piece(self.request_id, concat([e.token_ids for e in run], np.int32),
                     concat([e.logprobs for e in run], np.float32), run[0].offset,
                     finished=last.finished, finish_reason=last.finish_reason or "",
                     weight_version=last.weight_version, seed=last.seed or self.seed,
                     top_ids=np.concatenate(tops) if has_tops else None,  # type: ignore[arg-type]
                     top_logprobs=np.concatenate([e.top_logprobs for e in run]) if has_tops else None,  # type: ignore[misc]
-                    cached_tokens=max(e.cached_tokens for e in run))
+                    cached_tokens=max(e.cached_tokens for e in run),
+                    forced=concat([_or(e.forced, np.zeros(len(e.token_ids), bool)) for e in run], np.bool_)
+                    if constrained else None,
+                    policy_logprobs=concat([_or(e.policy_logprobs, e.logprobs) for e in run], np.float32)
+                    if constrained else None)
+
+
+def _or(a: np.ndarray | None, default: np.ndarray) -> np.ndarray:
+    return default if a is None else a
 
 
 class EngineHost:

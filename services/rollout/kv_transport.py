@@ -69,6 +69,7 @@ from prometheus_client import Counter
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.rollout.engine import GenRequest, MigrationState, SamplingParams
+from services.rollout.grammar import GrammarSpec
 
 log = get_logger(__name__)
 
@@ -155,7 +156,8 @@ def state_header(state: MigrationState, arrays: list[np.ndarray], *, mode: str, 
             "agent_id": req.agent_id, "role": req.role,
             "params": {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
                        "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids),
-                       "seed": p.seed},
+                       "seed": p.seed, "top_logprobs": p.top_logprobs,
+                       "grammar": None if p.grammar is None else [p.grammar.kind, p.grammar.source]},
         },
         "weight_version": state.weight_version,
         "kv_dtype": state.kv_dtype,
@@ -305,6 +307,8 @@ def build_state(header: dict[str, Any], arrays: list[np.ndarray]) -> MigrationSt
         top_k=int(r["params"]["top_k"]), max_new_tokens=int(r["params"]["max_new_tokens"]),
         stop_token_ids=tuple(int(t) for t in r["params"]["stop_token_ids"]),
         seed=None if r["params"]["seed"] is None else int(r["params"]["seed"]),
+        top_logprobs=int(r["params"].get("top_logprobs", 0)),
+        grammar=_grammar(r["params"].get("grammar")),
     )
     req = GenRequest(request_id=str(r["request_id"]), prompt_ids=arrays[0], params=params,
                      execution_id=str(r["execution_id"]), call_id=str(r["call_id"]),
@@ -313,6 +317,14 @@ def build_state(header: dict[str, Any], arrays: list[np.ndarray]) -> MigrationSt
     return MigrationState(request=req, generated_ids=arrays[1], generated_logprobs=arrays[2],
                           rng_state=arrays[3].tobytes(), weight_version=int(header["weight_version"]),
                           kv=kv, kv_dtype=str(header["kv_dtype"]))
+
+
+def _grammar(g: Any) -> GrammarSpec | None:
+    if g is None:
+        return None
+    if not (isinstance(g, list) and len(g) == 2 and all(isinstance(x, str) for x in g)):
+        raise ValueError("the request's grammar must be [kind, source]")
+    return GrammarSpec(g[0], g[1])
 
 
 # --------------------------------------------------------------------------- socket helpers

@@ -15,6 +15,8 @@ replace the earlier attempt's); ``top_k`` and ``return_token_ids`` (adds ``gyre.
 Tool calling: ``tools`` and ``tool_choice`` (auto, none, required, a named function) through the
 chat template or its fallback, calls parsed back per model family and returned as ``tool_calls``
 (streamed as ``tool_calls`` deltas), ``finish_reason: tool_calls``; see ``services/rollout/tools.py``.
+Structured outputs: ``response_format`` ``json_object`` / ``json_schema`` (and a forced tool call's
+arguments) are enforced by the engine's grammar (``services/rollout/grammar.py``, xgrammar).
 
 Session base URLs: ``/s/<token>/v1/...`` (the token from a lease's ``session_base_url`` or
 ``Worker.MintSession``) serves the same routes for a harness that knows only a base URL: the
@@ -43,6 +45,7 @@ from services.common.logging import get_logger
 from services.rollout.calls import CallMeta, Piece
 from services.rollout.chat import PromptCache, Rendered
 from services.rollout.engine import SamplingParams
+from services.rollout.grammar import GrammarSpec
 from services.rollout import anthropic_http as anthropic
 from services.rollout import responses_http as responses_api
 from services.rollout import tools as tools_mod
@@ -122,7 +125,8 @@ class OpenAIEndpoint:
             return SamplingParams(temperature=float(body.get("temperature", 1.0)),
                                   top_p=float(body.get("top_p", 1.0) or 1.0), top_k=int(body.get("top_k", 0) or 0),
                                   max_new_tokens=int(max_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)),
-                                  seed=None if seed is None else int(seed), top_logprobs=_top_n(body))
+                                  seed=None if seed is None else int(seed), top_logprobs=_top_n(body),
+                                  grammar=response_grammar(body.get("response_format")))
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"invalid sampling parameters: {exc}") from None
 
@@ -185,6 +189,9 @@ class OpenAIEndpoint:
                      execution_id=meta.execution_id, agent_id=meta.agent_id)
         # a forced call: its opening is context (appended to the prompt), the model writes the rest
         prefix = fmt.forced_prefix(choice) if tools else ""
+        grammar = fmt.forced_grammar(choice, tools) if tools else None
+        if grammar is not None:  # the rest of a forced call: arguments valid against the tool's schema
+            params = dataclasses.replace(params, grammar=grammar)
         if prefix:
             rendered = Rendered(rendered.prompt_text + prefix,
                                 np.concatenate([rendered.prompt_ids, self.prompts.encode(prefix)]).astype(np.int32),
@@ -295,6 +302,9 @@ class OpenAIEndpoint:
             if want_ids:
                 gyre["prompt_ids"] = call.prompt_ids.tolist()
                 gyre["output_ids"] = ids.tolist()
+                constrained = call.constrained_output()
+                if constrained is not None:  # the grammar's forced tokens: context, never trained
+                    gyre["output_forced"] = constrained[0].tolist()
             if want_lp:
                 gyre["output_logprobs"] = lps.tolist()
             return text, gyre, _finish_reason(call.finish_reason)
@@ -495,6 +505,25 @@ def _top_n(body: dict[str, Any]) -> int:
     if not isinstance(n, int) or not 0 <= n <= 20:
         raise InvalidArgument(f"top_logprobs must be an integer from 0 to 20, got {n!r}")
     return n
+
+
+def response_grammar(fmt: Any) -> GrammarSpec | None:
+    """The grammar of ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``
+    or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidArgument("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return GrammarSpec("json_schema", json.dumps(schema))
+    raise InvalidArgument(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _logprobs(tokenizer: Any, output: tuple[np.ndarray, np.ndarray], kind: str,

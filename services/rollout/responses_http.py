@@ -14,6 +14,8 @@ rendered, routed, recorded (TITO) and reused across turns exactly like a chat ca
                                                       models write no reasoning items)
     tools [{type: function, name, description, parameters}], tool_choice auto | none | required |
       {type: function, name}, max_output_tokens, temperature, top_p, stream
+    text.format {type: text | json_object | json_schema, name, schema, strict}
+                                                  -> response_format (enforced by the engine's grammar)
 
 The reply is a ``response`` object: ``output`` holds a ``message`` item (``output_text``) and/or
 ``function_call`` items, ``status`` completed (or incomplete with ``incomplete_details.reason``
@@ -153,10 +155,6 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("temperature", "top_p", "model", "seed", *GYRE_FIELDS):
         if body.get(key) is not None:
             chat[key] = body[key]
-    text_cfg = body.get("text")
-    if isinstance(text_cfg, dict) and isinstance(text_cfg.get("format"), dict) \
-            and text_cfg["format"].get("type") not in (None, "text"):
-        raise InvalidArgument(f"text.format {text_cfg['format'].get('type')!r} is not supported yet (text only)")
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list):
@@ -180,6 +178,20 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
             chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         else:
             raise InvalidArgument("tool_choice must be auto, none, required or {type: function, name}")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if fmt is not None:  # Responses' flat {type: json_schema, name, schema, strict} -> chat's response_format
+        if not isinstance(fmt, dict):
+            raise InvalidArgument("text.format must be {type: text | json_object | json_schema, ...}")
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise InvalidArgument("text.format json_schema needs a 'schema' object (a JSON schema)")
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.get("name", ""), "schema": fmt["schema"], "strict": fmt.get("strict", False)}}
+        elif kind in ("text", "json_object"):
+            chat["response_format"] = {"type": kind}
+        else:
+            raise InvalidArgument(f"text.format type must be text, json_object or json_schema, got {kind!r}")
     return chat
 
 
@@ -197,7 +209,8 @@ def _envelope(body: dict[str, Any], rid: str, created: int, model: str) -> dict[
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
             "output": [], "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
             "previous_response_id": None, "reasoning": None, "store": False,
-            "temperature": body.get("temperature", 1.0), "text": {"format": {"type": "text"}},
+            "temperature": body.get("temperature", 1.0),
+            "text": body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None}
 

@@ -61,6 +61,14 @@ def generate_payload(req: GenRequest, generated_ids: np.ndarray | None = None, *
     }
     if p.seed is not None:
         sampling["sampling_seed"] = p.seed
+    if p.grammar is not None:
+        # sglang's own grammar backend (xgrammar) enforces it; it reports no forced flags or
+        # unmasked logprobs, so such calls are recorded as free choices with the masked logprobs
+        if done:
+            raise ValueError("the sglang adapter cannot resume a grammar-constrained request mid-output; "
+                             "it restarts the grammar at its prompt")
+        key = {"json_schema": "json_schema", "json_object": "json_schema", "regex": "regex", "ebnf": "ebnf"}
+        sampling[key[p.grammar.kind]] = p.grammar.source or '{"type": "object"}'
     return {"input_ids": ids.tolist(), "sampling_params": sampling, "return_logprob": True,
             "stream": stream, "rid": req.request_id}
 

@@ -47,6 +47,8 @@ def record_bytes(call: TitoCall) -> int:
     """Memory a queued record holds: its token and logprob arrays plus a fixed overhead."""
     prompt = call.prompt_ids if call.prompt_ids is not None else call.delta.new_ids if call.delta else None
     arrays = call.output_ids.nbytes + call.output_logprobs.nbytes + (0 if prompt is None else prompt.nbytes)
+    if call.output_forced is not None and call.output_policy_logprobs is not None:
+        arrays += call.output_forced.nbytes + call.output_policy_logprobs.nbytes
     return arrays + RECORD_OVERHEAD_BYTES
 
 

@@ -15,7 +15,9 @@ template) says how calls look in generated text and parses them back:
 still rendered, so prompts of one conversation stay one prefix); ``required`` and a named function
 force the reply to open a call: the format's opening (``<tool_call>\\n{"name": "`` or, named, up to
 ``"arguments": ``) is appended to the prompt, so those forced tokens are context the model did
-not choose and are never trained on; the model writes the rest.
+not choose and are never trained on; the model writes the rest under a grammar
+(``forced_grammar``: one of the tools' names, arguments valid against that tool's JSON schema, the
+format's closing text), so the arguments always parse and match the schema.
 
 Exact prefixes across turns: the raw text a tool-call reply was generated as is kept per tool call
 id, and the next request's assistant message carrying those ids is rendered as that text (not
@@ -31,10 +33,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import InvalidArgument
 from services.rollout.chat import content_text
+
+if TYPE_CHECKING:
+    from services.rollout.grammar import GrammarSpec
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -99,6 +104,28 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+def _forced_grammar(choice: ToolChoice, tools: Sequence[dict[str, Any]], name_tail: str,
+                    close: str) -> GrammarSpec | None:
+    """The grammar of the rest of a forced call after ``forced_prefix``: named, the arguments and
+    ``close``; required, one tool's name, ``name_tail``, its arguments and ``close``."""
+    if choice.mode not in ("named", "required"):
+        return None
+    from services.rollout.grammar import GrammarSpec, tool_call_ebnf, union_ebnf
+
+    def schema(tool: dict[str, Any]) -> Any:
+        return tool.get("parameters") or {"type": "object"}
+
+    try:
+        if choice.mode == "named":
+            (tool,) = [t for t in tools if t["name"] == choice.name]
+            return GrammarSpec("ebnf", tool_call_ebnf("", schema(tool), close))
+        return GrammarSpec("ebnf", union_ebnf([tool_call_ebnf(t["name"] + name_tail, schema(t), close)
+                                               for t in tools]))
+    except Exception as exc:  # deliberate: xgrammar's schema converter raises several error types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InvalidArgument(f"a tool's 'parameters' is not a JSON schema the gateway can enforce: {first}") from None
+
+
 class HermesFormat:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
@@ -110,6 +137,9 @@ class HermesFormat:
         if choice.mode == "named":
             return f'{self.OPEN}\n{{"name": "{choice.name}", "arguments": '
         return f'{self.OPEN}\n{{"name": "' if choice.mode == "required" else ""
+
+    def forced_grammar(self, choice: ToolChoice, tools: Sequence[dict[str, Any]]) -> GrammarSpec | None:
+        return _forced_grammar(choice, tools, '", "arguments": ', f"}}\n{self.CLOSE}")
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
@@ -153,6 +183,9 @@ class Llama3JsonFormat:
         if choice.mode == "named":
             return f'{{"name": "{choice.name}", "parameters": '
         return '{"name": "' if choice.mode == "required" else ""
+
+    def forced_grammar(self, choice: ToolChoice, tools: Sequence[dict[str, Any]]) -> GrammarSpec | None:
+        return _forced_grammar(choice, tools, '", "parameters": ', "}")
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)

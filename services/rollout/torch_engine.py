@@ -60,6 +60,7 @@ from services.rollout.engine import (
     MigrationState,
     TokenEvent,
 )
+from services.rollout.grammar import Constraint, GrammarBook, constrain_rows
 from services.rollout.kv_slots import SlotKV
 from services.rollout.prefix_cache import PROMPT_TOKENS, REUSED_TOKENS, PrefixCache
 from services.rollout.sampling import counter_uniforms, pack_rng_state, sample_tokens, top_logprobs, unpack_rng_state
@@ -143,23 +144,37 @@ class _Req:
     pending_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # import with KV
     finish_reason: str | None = None
     cached: int = 0  # context tokens whose KV came from the prefix cache
+    # grammar-constrained requests (params.grammar): the matcher, and per output token whether the
+    # grammar forced it and its unmasked-policy logprob (services/rollout/grammar.py)
+    constraint: Constraint | None = None
+    out_forced: np.ndarray | None = None  # bool[capacity]
+    out_policy: np.ndarray | None = None  # float32[capacity]
 
     @property
     def prompt_len(self) -> int:
         return int(self.req.prompt_ids.shape[0])
 
     def append(self, token: int, logprob: float, version: int,
-               top: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+               top: tuple[np.ndarray, np.ndarray] | None = None, forced: bool = False, logmass: float = 0.0) -> None:
+        """Record one sampled token; a constrained request's matcher accepts it (``forced`` and
+        ``logmass``: what ``constrain_rows`` said of its position)."""
         if self.n_gen == self.out_ids.shape[0]:
             self.out_ids = np.concatenate([self.out_ids, np.empty_like(self.out_ids)])
             self.out_lp = np.concatenate([self.out_lp, np.empty_like(self.out_lp)])
             if self.out_top_ids is not None and self.out_top_lp is not None:
                 self.out_top_ids = np.concatenate([self.out_top_ids, np.zeros_like(self.out_top_ids)])
                 self.out_top_lp = np.concatenate([self.out_top_lp, np.zeros_like(self.out_top_lp)])
+            if self.out_forced is not None and self.out_policy is not None:
+                self.out_forced = np.concatenate([self.out_forced, np.zeros_like(self.out_forced)])
+                self.out_policy = np.concatenate([self.out_policy, np.zeros_like(self.out_policy)])
         self.out_ids[self.n_gen] = token
         self.out_lp[self.n_gen] = logprob
         if top is not None and self.out_top_ids is not None and self.out_top_lp is not None:
             self.out_top_ids[self.n_gen], self.out_top_lp[self.n_gen] = top
+        if self.constraint is not None and self.out_forced is not None and self.out_policy is not None:
+            self.constraint.accept(token)
+            self.out_forced[self.n_gen] = forced
+            self.out_policy[self.n_gen] = min(logprob + logmass, 0.0)
         self.n_gen += 1
         self.versions.append(version)
 
@@ -197,10 +212,13 @@ class TorchEngine(InferenceEngine):
         prefix_cache_bytes: int | None = None,
         cuda_graphs: bool | None = None,
         static_decode: bool = False,
+        tokenizer_dir: str | None = None,
     ) -> None:
         """``cuda_graphs``: replay the decode forward from CUDA graphs (None = on when the device
         is CUDA). ``static_decode``: run that fixed-shape forward even without graphs (eagerly:
-        tests on CPU); otherwise CPU keeps the default decode (exact lengths, no padding)."""
+        tests on CPU); otherwise CPU keeps the default decode (exact lengths, no padding).
+        ``tokenizer_dir``: the model's tokenizer, for grammar-constrained requests (loaded on the
+        first one; without it such requests are refused)."""
         if weight_policy not in WEIGHT_POLICIES:
             raise ValueError(f"weight_policy must be one of {WEIGHT_POLICIES}, got {weight_policy!r}")
         if max_batch_size < 1:
@@ -259,6 +277,9 @@ class TorchEngine(InferenceEngine):
             raise ValueError(f"cuda_graphs needs a CUDA device, this engine runs on {self.device}")
         self._static = (StaticDecode(self.model, self._slots, cache_kw=self._cache_kw, max_batch_size=max_batch_size,
                                      graphs=graphs) if graphs or static_decode else None)
+        self._tokenizer_dir = tokenizer_dir
+        self._grammars: GrammarBook | None = None
+        self._grammars_lock = threading.Lock()
         self._freed_mark = 0  # freed KV bytes (slots + prefix cache) at the last memory release
         self._lock = threading.Condition()
         self._commands: list[_Cmd] = []
@@ -288,6 +309,7 @@ class TorchEngine(InferenceEngine):
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype), local_files_only=True, attn_implementation="sdpa"
         )
+        kwargs.setdefault("tokenizer_dir", path)
         return cls(model, model_name=kwargs.pop("model_name", os.path.basename(path.rstrip("/"))),
                    device=device, **kwargs)
 
@@ -311,7 +333,9 @@ class TorchEngine(InferenceEngine):
             raise ValueError("prompt_ids is empty: a prompt needs at least one token")
         self._check_room(req, 0)
         self._validate_stops(req)
-        self._enqueue(_Cmd("add", self._new_state(req, on_event, None)), req.request_id)
+        r = self._new_state(req, on_event, None)
+        self._constrain(r, np.zeros(0, np.int32))
+        self._enqueue(_Cmd("add", r), req.request_id)
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -346,6 +370,7 @@ class TorchEngine(InferenceEngine):
         if r.out_top_ids is not None and r.out_top_lp is not None and len(gen) > r.out_top_ids.shape[0]:
             k = r.out_top_ids.shape[1]  # (the imported positions' tops were streamed by the source engine)
             r.out_top_ids, r.out_top_lp = np.zeros((len(gen), k), np.int32), np.zeros((len(gen), k), np.float32)
+        self._constrain(r, gen)
         r.n_gen = len(gen)
         r.versions = [state.weight_version] * len(gen)
         r.emitted = len(gen)
@@ -469,6 +494,31 @@ class TorchEngine(InferenceEngine):
                 f"request tokens come from weight version {version}, this engine serves {self.weight_version}; "
                 "policy finish_on_old forbids mixing versions"
             )
+
+    def grammar_book(self) -> GrammarBook:
+        """The compiler over this model's tokenizer (built on the first constrained request)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                book = GrammarBook.from_dir(self._tokenizer_dir, self.vocab_size) if self._tokenizer_dir else None
+                if book is None:
+                    raise FailedPrecondition(f"model {self.model_name!r} was loaded without a tokenizer, so this engine "
+                                             "cannot enforce a grammar (response_format, forced tool calls)")
+                self._grammars = book
+            return self._grammars
+
+    def _constrain(self, r: _Req, generated: np.ndarray) -> None:
+        """Give a request with a grammar its matcher, advanced past ``generated`` (a migrated or
+        re-prefilled request's output so far); ValueError when the grammar does not compile or
+        those tokens do not match it."""
+        spec = r.req.params.grammar
+        if spec is None:
+            return
+        r.constraint = self.grammar_book().constraint(spec, r.req.params.stop_token_ids)
+        r.constraint.advance(np.asarray(generated))
+        cap = max(r.out_ids.shape[0], len(generated))
+        r.out_forced, r.out_policy = np.zeros(cap, bool), np.zeros(cap, np.float32)
+        # the tokens before the move were streamed (with their flags) by the engine that made them
+        r.out_policy[: len(generated)] = r.out_lp[: len(generated)]
 
     def _new_state(self, req: GenRequest, on_event: EventCallback, seed: int | None) -> _Req:
         if seed is None:
@@ -656,13 +706,23 @@ class TorchEngine(InferenceEngine):
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         params = r.req.params
         u = counter_uniforms(np.array([r.seed], np.uint64), np.array([r.n_gen], np.uint64))
+        temperature = torch.tensor([params.temperature], device=self.device)
+        logits = out.logits[:, -1]
+        masked = None
+        if r.constraint is not None:
+            logits = logits.float().clone()
+            masked = constrain_rows(logits, [r.constraint], temperature)
         tok, lp = sample_tokens(
-            out.logits[:, -1], torch.tensor([params.temperature], device=self.device),
+            logits, temperature,
             torch.tensor([params.top_p], device=self.device), torch.tensor([params.top_k], device=self.device),
             torch.from_numpy(u).to(self.device),
         )
-        tops = top_logprobs(out.logits[:, -1], [params.temperature], [params.top_logprobs])
-        r.append(int(tok[0]), float(lp[0]), self.weight_version, tops[0])
+        if masked is not None and masked[2][0]:
+            self._grammar_dead(r)
+            return end - start
+        tops = top_logprobs(logits, [params.temperature], [params.top_logprobs])
+        r.append(int(tok[0]), float(lp[0]), self.weight_version, tops[0],
+                 *((bool(masked[1][0]), float(masked[0][0])) if masked is not None else ()))
         TOKENS.inc()
         reason = self._finish_reason_one(r, int(tok[0]))
         if reason is not None:
@@ -722,8 +782,13 @@ class TorchEngine(InferenceEngine):
             self._freed_mark = freed
             release_free_memory()
 
+    def _grammar_dead(self, r: _Req) -> None:
+        log.warning("grammar allows no token of this vocabulary; the request ends with an error",
+                    request_id=r.req.request_id, kind=r.req.params.grammar.kind if r.req.params.grammar else "")
+        self._finish(r, "error")
+
     def _finish_reason_one(self, r: _Req, token: int) -> str | None:
-        if token in r.req.params.stop_token_ids:
+        if token in r.req.params.stop_token_ids or (r.constraint is not None and r.constraint.terminated):
             return "stop"
         if r.n_gen >= r.req.params.max_new_tokens or r.prompt_len + r.n_gen >= self.max_context:
             return "length"
@@ -746,6 +811,7 @@ class TorchEngine(InferenceEngine):
             "max_new": np.array([r.req.params.max_new_tokens for r in rs], np.int64),
             "prompt_len": np.array([r.prompt_len for r in rs], np.int64),
             "want_tops": any(r.req.params.top_logprobs for r in rs),
+            "constrained": any(r.constraint is not None for r in rs),
         }
         self._batch_dirty = False
 
@@ -758,6 +824,10 @@ class TorchEngine(InferenceEngine):
         last = np.fromiter((r.out_ids[r.n_gen - 1] for r in rs), np.int64, len(rs))
         n_gen = np.fromiter((r.n_gen for r in rs), np.int64, len(rs))
         logits = self._decode_logits(last)
+        masked = None
+        if b["constrained"]:  # mask what the rows' grammars forbid (a copy: logits may be a graph's buffer)
+            logits = logits.float().clone()
+            masked = constrain_rows(logits, [r.constraint for r in rs], b["temperature"])
         u = torch.from_numpy(counter_uniforms(b["seeds"], n_gen.astype(np.uint64))).to(self.device)
         tok_t, lp_t = sample_tokens(logits, b["temperature"], b["top_p"], b["top_k"], u)
         tok = tok_t.cpu().numpy()
@@ -770,12 +840,22 @@ class TorchEngine(InferenceEngine):
         version = self.weight_version
         done: list[tuple[_Req, str]] = []
         for i, r in enumerate(rs):
-            r.append(int(tok[i]), float(lp[i]), version, tops[i])
+            if masked is None:
+                r.append(int(tok[i]), float(lp[i]), version, tops[i])
+            elif masked[2][i]:
+                done.append((r, "error"))
+                continue
+            else:
+                r.append(int(tok[i]), float(lp[i]), version, tops[i], bool(masked[1][i]), float(masked[0][i]))
+                stop[i] |= r.constraint is not None and r.constraint.terminated  # the grammar is complete
             if stop[i] or length[i]:
                 done.append((r, "stop" if stop[i] else "length"))
         TOKENS.inc(len(rs))
         for r, reason in done:
-            self._finish(r, reason)
+            if reason == "error":
+                self._grammar_dead(r)
+            else:
+                self._finish(r, reason)
         STEP_SECONDS.observe(time.perf_counter() - t0)
 
     def _decode_logits(self, last: np.ndarray) -> torch.Tensor:
@@ -841,6 +921,8 @@ class TorchEngine(InferenceEngine):
             top_ids=None if r.out_top_ids is None else r.out_top_ids[lo:hi].copy(),
             top_logprobs=None if r.out_top_lp is None else r.out_top_lp[lo:hi].copy(),
             cached_tokens=r.cached,
+            forced=None if r.out_forced is None else r.out_forced[lo:hi].copy(),
+            policy_logprobs=None if r.out_policy is None else r.out_policy[lo:hi].copy(),
         )
         try:
             r.on_event(event)

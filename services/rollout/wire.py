@@ -12,6 +12,7 @@ from protos.gyre.v1 import common_pb2, rollout_pb2
 from services.common.errors import InvalidArgument
 from services.rollout.calls import FINISHED, CallMeta, MigrationReport, Piece
 from services.rollout.engine import SamplingParams
+from services.rollout.grammar import GrammarSpec
 
 ROLE_TO_STR: dict[int, str] = {common_pb2.ROLE_UNSPECIFIED: "main", common_pb2.ROLE_MAIN: "main",
                common_pb2.ROLE_SUBAGENT: "subagent", common_pb2.ROLE_SUMMARY: "summary"}
@@ -53,15 +54,18 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         return SamplingParams(temperature=float(p.temperature), top_p=float(p.top_p) or 1.0,
                               top_k=int(p.top_k), max_new_tokens=int(p.max_new_tokens),
                               stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
-                              seed=int(p.seed) if p.has_seed else None, top_logprobs=int(p.top_logprobs))
+                              seed=int(p.seed) if p.has_seed else None, top_logprobs=int(p.top_logprobs),
+                              grammar=GrammarSpec(p.grammar.kind, p.grammar.source) if p.HasField("grammar") else None)
     except ValueError as exc:
         raise InvalidArgument(f"invalid sampling params: {exc}") from None
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    grammar = None if s.grammar is None else common_pb2.Grammar(kind=s.grammar.kind, source=s.grammar.source)
     return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
-                                     seed=s.seed or 0, has_seed=s.seed is not None, top_logprobs=s.top_logprobs)
+                                     seed=s.seed or 0, has_seed=s.seed is not None, top_logprobs=s.top_logprobs,
+                                     grammar=grammar)
 
 
 def generate_request(request_id: str, meta: CallMeta, prompt_ids: np.ndarray,
@@ -80,6 +84,9 @@ def piece_to_proto(p: Piece) -> rollout_pb2.GenerateChunk:
         c.top_k = int(p.top_ids.shape[1])
         c.top_ids.extend(p.top_ids.reshape(-1).tolist())
         c.top_logprobs.extend(p.top_logprobs.reshape(-1).tolist())
+    if p.forced is not None and p.policy_logprobs is not None:
+        c.forced.extend(p.forced.tolist())
+        c.policy_logprobs.extend(p.policy_logprobs.tolist())
     return c
 
 
@@ -89,10 +96,17 @@ def piece_from_proto(c: rollout_pb2.GenerateChunk) -> Piece:
         if len(c.top_ids) != c.top_k * len(c.token_ids) or len(c.top_logprobs) != len(c.top_ids):
             raise InvalidArgument(f"chunk of {len(c.token_ids)} tokens has {len(c.top_ids)} top ids for top_k {c.top_k}")
         tops = (ids(c.top_ids).reshape(-1, c.top_k), floats(c.top_logprobs).reshape(-1, c.top_k))
+    forced = policy = None
+    if len(c.forced) or len(c.policy_logprobs):
+        if not len(c.forced) == len(c.policy_logprobs) == len(c.token_ids):
+            raise InvalidArgument(f"chunk of {len(c.token_ids)} tokens has {len(c.forced)} forced flags and "
+                                  f"{len(c.policy_logprobs)} policy logprobs; each needs one per token")
+        forced, policy = np.array(c.forced, dtype=bool), floats(c.policy_logprobs)
     return Piece(request_id=c.request_id, token_ids=ids(c.token_ids), logprobs=floats(c.logprobs),
                  offset=c.offset, finished=c.finished, finish_reason=c.finish_reason,
                  weight_version=c.weight_version, seed=c.seed, migrated_to=c.migrated_to,
-                 top_ids=tops[0], top_logprobs=tops[1], cached_tokens=c.cached_prompt_tokens)
+                 top_ids=tops[0], top_logprobs=tops[1], cached_tokens=c.cached_prompt_tokens,
+                 forced=forced, policy_logprobs=policy)
 
 
 # -- migration ----------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ same execution that shares the longest prefix (found in a token trie of the exec
 
 JSONL (DESIGN.md, "Formats"): one model call per line
 ``{"execution_id", "call_id", "agent_id", "role", "prompt_ids" | "delta", "output_ids",
-"output_logprobs", "weight_version"}`` plus per-execution lines
+"output_logprobs", "weight_version"}`` (a grammar-constrained call also ``"output_forced"`` and
+``"output_policy_logprobs"``, see ``TitoCall``) plus per-execution lines
 ``{"execution_id", "group_id", "status", "reward"}`` (or a ``reward`` field on the last call).
 """
 
@@ -137,6 +138,12 @@ class TitoCall:
     finish_reason: str = ""
     attempt: int = 0  # the execution's lease attempt (0: not given); see CallContext.attempt
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Grammar-constrained calls only (services/rollout/grammar.py), per output token: the grammar
+    # allowed no other token (bool: context, never trained), and its logprob under the unmasked
+    # policy (float32: the rollout logprob the trainer uses; output_logprobs are the masked
+    # distribution's, the one it was sampled from). Both or neither.
+    output_forced: np.ndarray | None = None
+    output_policy_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         where = f"record {self.call_id!r} of execution {self.execution_id!r}"
@@ -157,6 +164,18 @@ class TitoCall:
             raise ValueError(f"{where}: output_logprobs must be finite log-probabilities (<= 0)")
         object.__setattr__(self, "output_ids", out)
         object.__setattr__(self, "output_logprobs", lp)
+        if (self.output_forced is None) != (self.output_policy_logprobs is None):
+            raise ValueError(f"{where}: output_forced and output_policy_logprobs come together (a constrained call)")
+        if self.output_forced is not None and self.output_policy_logprobs is not None:
+            forced = np.asarray(self.output_forced, dtype=bool)
+            policy = np.asarray(self.output_policy_logprobs, dtype=np.float32)
+            if forced.shape != out.shape or policy.shape != out.shape:
+                raise ValueError(f"{where}: output_forced ({forced.size}) and output_policy_logprobs ({policy.size}) "
+                                 f"need one value per output token ({len(out)})")
+            if policy.size and not (np.isfinite(policy).all() and float(policy.max()) <= LOGPROB_TOLERANCE):
+                raise ValueError(f"{where}: output_policy_logprobs must be finite log-probabilities (<= 0)")
+            object.__setattr__(self, "output_forced", forced)
+            object.__setattr__(self, "output_policy_logprobs", policy)
         if self.prompt_ids is not None:
             prompt = token_array(self.prompt_ids, f"{where}: prompt_ids")
             if prompt.size == 0:
@@ -166,6 +185,20 @@ class TitoCall:
             raise ValueError(f"{where}: the prompt is empty; a model call conditions on at least one token")
         if self.weight_version < 0:
             raise ValueError(f"{where}: weight_version is {self.weight_version}; it must be >= 0")
+
+    @property
+    def constrained(self) -> bool:
+        return self.output_forced is not None
+
+    @property
+    def train_logprobs(self) -> np.ndarray:
+        """The rollout logprob of each output token as the trainer uses it (the unmasked policy's)."""
+        return self.output_logprobs if self.output_policy_logprobs is None else self.output_policy_logprobs
+
+    @property
+    def chosen(self) -> np.ndarray:
+        """bool per output token: the model chose it (not forced by a grammar)."""
+        return np.ones(len(self.output_ids), bool) if self.output_forced is None else ~self.output_forced
 
     @property
     def prompt_len(self) -> int:
@@ -391,6 +424,8 @@ def parse_call(obj: dict[str, Any], *, where: str = "record") -> TitoCall:
             job_id=str(obj.get("job_id", "")),
             finished_at_s=float(obj.get("finished_at_s", 0.0)),
             finish_reason=str(obj.get("finish_reason", "")),
+            output_forced=obj.get("output_forced"),
+            output_policy_logprobs=obj.get("output_policy_logprobs"),
         )
     except (ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"{where}: {exc}") from None
@@ -458,6 +493,9 @@ def call_to_json(call: TitoCall) -> dict[str, Any]:
     }
     if call.job_id:
         obj["job_id"] = call.job_id
+    if call.output_forced is not None and call.output_policy_logprobs is not None:
+        obj["output_forced"] = call.output_forced.tolist()
+        obj["output_policy_logprobs"] = [float(x) for x in call.output_policy_logprobs]
     if call.prompt_ids is not None:
         obj["prompt_ids"] = call.prompt_ids.tolist()
     else:

@@ -89,17 +89,22 @@ class TrajectoryStore:
         """Persist record ``index`` of its execution (delta form)."""
         eid = call.execution_id
         blob = f"traj/{_h(job_id)}/{_h(eid)}/{index:07d}.npy"
-        payload = np.concatenate((
+        parts = [
             np.asarray([len(delta.new_ids), len(call.output_ids)], dtype=np.int32),
             delta.new_ids.astype(np.int32, copy=False),
             call.output_ids.astype(np.int32, copy=False),
             call.output_logprobs.astype(np.float32, copy=False).view(np.int32),
-        ))
+        ]
+        if call.output_forced is not None and call.output_policy_logprobs is not None:  # a constrained call
+            parts += [call.output_policy_logprobs.astype(np.float32, copy=False).view(np.int32),
+                      call.output_forced.astype(np.int32)]
+        payload = np.concatenate(parts)
         self.blobs.put_array(blob, payload)
         entry = json.dumps({
             "i": index, "call_id": call.call_id, "agent_id": call.agent_id, "role": int(call.role),
             "base": delta.base_call_id, "shared": delta.shared_prefix_len, "version": call.weight_version,
             "t": call.finished_at_s, "finish": call.finish_reason, "blob": blob,
+            **({"c": 1} if call.constrained else {}),
         }, separators=(",", ":"))
         key = self.keys.key("calls", job_id, eid)
         with self.r.pipeline(transaction=True) as p:
@@ -142,12 +147,17 @@ class TrajectoryStore:
             n_new, n_out = int(arr[0]), int(arr[1])
             new = arr[2 : 2 + n_new]
             out_ids = arr[2 + n_new : 2 + n_new + n_out]
-            lps = arr[2 + n_new + n_out :].view(np.float32)
+            lps = arr[2 + n_new + n_out : 2 + n_new + 2 * n_out].view(np.float32)
+            policy = forced = None
+            if e.get("c"):
+                policy = arr[2 + n_new + 2 * n_out : 2 + n_new + 3 * n_out].view(np.float32)
+                forced = arr[2 + n_new + 3 * n_out : 2 + n_new + 4 * n_out].astype(bool)
             out.append(TitoCall(
                 execution_id=execution_id, call_id=e["call_id"], agent_id=e["agent_id"], role=Role(e["role"]),
                 output_ids=out_ids, output_logprobs=lps, weight_version=int(e["version"]),
                 delta=PromptDelta(e["base"], int(e["shared"]), new), job_id=job_id,
-                finished_at_s=float(e["t"]), finish_reason=e["finish"]))
+                finished_at_s=float(e["t"]), finish_reason=e["finish"],
+                output_forced=forced, output_policy_logprobs=policy))
         return out
 
     # ----------------------------------------------------------------- outcomes and stats

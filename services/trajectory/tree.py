@@ -103,6 +103,9 @@ def _digest(call: TitoCall) -> bytes:
     h.update(f"{call.agent_id}\0{int(call.role)}\0{call.weight_version}\0{len(call.output_ids)}\0".encode())
     h.update(call.output_ids.tobytes())
     h.update(call.output_logprobs.tobytes())
+    if call.output_forced is not None and call.output_policy_logprobs is not None:
+        h.update(call.output_forced.tobytes())
+        h.update(call.output_policy_logprobs.tobytes())
     return h.digest()
 
 
@@ -196,20 +199,23 @@ class ExecutionTree:
         return PromptDelta(self.calls[self.trie.owner(pnode)].call_id if pos else "", pos, head[pos:])
 
     def _mark_generated(self, end: int, prompt_len: int, call: TitoCall, index: int) -> None:
-        """Mark the output span's nodes trainable unless an earlier call generated them."""
+        """Mark the output span's nodes trainable unless an earlier call generated them, or a
+        grammar forced them (context: the model made no choice there)."""
         gen = self.trie.field("gen_call")
         lp = self.trie.field("logprob")
+        logprobs, chosen = call.train_logprobs, call.chosen
         for first, last, d0 in self.trie.path_runs(end, prompt_len):
             sl = slice(first, last + 1)
             off = d0 - prompt_len
-            free = gen[sl] < 0
+            own = slice(off, off + last + 1 - first)
+            free = (gen[sl] < 0) & chosen[own]
             if free.all():
                 gen[sl] = index
-                lp[sl] = call.output_logprobs[off : off + last + 1 - first]
+                lp[sl] = logprobs[own]
             elif free.any():
                 g, p = gen[sl], lp[sl]
                 g[free] = index
-                p[free] = call.output_logprobs[off : off + last + 1 - first][free]
+                p[free] = logprobs[own][free]
 
     # ----------------------------------------------------------------- selection
     def ranked_leaves(self) -> list[int]:

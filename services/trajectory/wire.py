@@ -45,7 +45,10 @@ def record_from_proto(rec: common_pb2.TitoRecord) -> TitoCall:
         output_logprobs=np.array(rec.output_logprobs, dtype=np.float32),
         weight_version=int(rec.weight_version),
         prompt_ids=None if delta is not None else _ids(rec.prompt_ids), delta=delta, job_id=ctx.job_id,
-        finished_at_s=rec.finished_at_s, finish_reason=rec.finish_reason, attempt=max(int(ctx.attempt), 0))
+        finished_at_s=rec.finished_at_s, finish_reason=rec.finish_reason, attempt=max(int(ctx.attempt), 0),
+        output_forced=np.array(rec.output_forced, dtype=bool) if len(rec.output_forced) else None,
+        output_policy_logprobs=(np.array(rec.output_policy_logprobs, dtype=np.float32)
+                                if len(rec.output_policy_logprobs) else None))
 
 
 def record_to_proto(call: TitoCall) -> common_pb2.TitoRecord:
@@ -55,6 +58,9 @@ def record_to_proto(call: TitoCall) -> common_pb2.TitoRecord:
                                        attempt=call.attempt),
         output_ids=call.output_ids.tolist(), output_logprobs=call.output_logprobs.tolist(),
         weight_version=call.weight_version, finished_at_s=call.finished_at_s, finish_reason=call.finish_reason)
+    if call.output_forced is not None and call.output_policy_logprobs is not None:
+        rec.output_forced.extend(call.output_forced.tolist())
+        rec.output_policy_logprobs.extend(call.output_policy_logprobs.tolist())
     if call.prompt_ids is not None:
         rec.prompt_ids.extend(call.prompt_ids.tolist())
     else:

@@ -337,3 +337,20 @@ def test_a_later_lease_attempt_supersedes_the_earlier_attempts_records(start) ->
     with pytest.raises(errors.FailedPrecondition, match="superseded"):
         svc2.client.ingest(first[5:6])
     assert svc2.client.execution_stats("e-att", job_id=JOB).num_calls == 3
+
+
+def test_grammar_forced_tokens_stay_context_across_a_restart(start) -> None:
+    """A grammar-constrained record (forced flags, unmasked-policy logprobs) over the wire and into
+    the store: its forced tokens are not trainable, also in the tree a restarted service rebuilds
+    from Redis + spool."""
+    svc = start()
+    forced = np.array([False, True, True, False, True])
+    call = TitoCall("g1", "c1", "a0", Role.MAIN, np.arange(20, 25), np.array([-0.5, 0.0, 0.0, -0.2, 0.0]), 0,
+                    prompt_ids=np.arange(1, 9), job_id=JOB, output_forced=forced,
+                    output_policy_logprobs=np.array([-1.5, -2.0, -0.1, -0.9, -3.0]))
+    assert svc.client.ingest([call]).accepted == 1
+    assert svc.client.execution_stats("g1", job_id=JOB).trainable_tokens == 2
+    svc.stop()
+    svc2 = start()
+    assert svc2.client.execution_stats("g1", job_id=JOB).trainable_tokens == 2
+    assert svc2.client.ingest([call]).duplicates == 1  # the same record again: a duplicate, not a conflict

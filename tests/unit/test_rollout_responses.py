@@ -47,6 +47,23 @@ def test_a_responses_request_becomes_the_equivalent_chat_call() -> None:
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_text_format_is_the_chat_response_format_and_its_grammar() -> None:
+    from services.rollout.grammar import GrammarSpec
+    from services.rollout.openai_http import response_grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = to_chat({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": schema,
+                                                      "strict": True}}})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                               "strict": True}}
+    assert response_grammar(chat["response_format"]) == GrammarSpec("json_schema", json.dumps(schema))
+    assert response_grammar(to_chat({"input": "x", "text": {"format": {"type": "json_object"}}})["response_format"]) \
+        == GrammarSpec("json_object")
+    assert response_grammar(to_chat({"input": "x", "text": {"format": {"type": "text"}}})["response_format"]) is None
+    with pytest.raises(InvalidArgument, match="response_format type must be"):
+        response_grammar({"type": "xml"})
+
+
 @pytest.mark.parametrize("body, why", [
     ({}, "input"),
     ({"input": []}, "input"),
@@ -60,7 +77,8 @@ def test_a_responses_request_becomes_the_equivalent_chat_call() -> None:
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tool type 'web_search'"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
-    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format json_schema needs a 'schema'"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format type must be"),
 ])
 def test_bad_requests_are_one_sentence(body: dict, why: str) -> None:
     with pytest.raises(InvalidArgument, match=why):

@@ -244,3 +244,34 @@ def test_a_bounded_delta_encoder_drops_least_recent_executions_and_stays_exact()
     for eid in enc.executions():
         enc.forget(eid)
     assert enc.tokens == 0 and enc.executions() == []
+
+
+def test_grammar_forced_tokens_are_context_and_free_choices_train_on_the_unmasked_logprob() -> None:
+    """A grammar-constrained call: tokens the grammar left no choice about are never trained; the
+    model's free choices train with their unmasked-policy logprob; a later unconstrained call that
+    generated a forced position freely trains it. The fields survive JSONL and the wire."""
+    from services.trajectory import wire
+    from services.trajectory.records import call_to_json, parse_call
+
+    forced = np.array([True, False, False, True, True])
+    c1 = TitoCall("E", "c1", "main", Role.MAIN, np.array([11, 12, 13, 14, 15]), -np.array([0.0, 0.5, 0.2, 0.0, 0.0]), 0,
+                  prompt_ids=np.array(SYS), output_forced=forced,
+                  output_policy_logprobs=-np.array([2.0, 0.9, 0.4, 3.0, 1.0]))
+    arrays = build([c1]).arrays()
+    assert arrays.trainable.tolist() == [False] * 4 + [False, True, True, False, False]
+    np.testing.assert_allclose(arrays.logprob[arrays.trainable], [-0.9, -0.4])
+    # a free retry that wrote the same first token trains it, with its own logprob
+    c2 = call("c2", SYS, [11, 99], lp=-0.3)
+    arrays = build([c1, c2]).arrays()
+    assert arrays.num_trainable == 4
+    np.testing.assert_allclose(arrays.logprob[arrays.trainable], [-0.3, -0.9, -0.4, -0.3], rtol=1e-6)
+    for again in (parse_call(call_to_json(c1)), wire.record_from_proto(wire.record_to_proto(c1))):
+        assert again.output_forced is not None and again.output_policy_logprobs is not None
+        assert again.output_forced.tolist() == forced.tolist()
+        np.testing.assert_allclose(again.output_policy_logprobs, c1.output_policy_logprobs)
+    with pytest.raises(ValueError, match="come together"):
+        TitoCall("E", "c", "main", Role.MAIN, np.array([1]), np.array([-0.1]), 0, prompt_ids=np.array([1]),
+                 output_forced=np.array([True]))
+    with pytest.raises(ValueError, match="one value per output token"):
+        TitoCall("E", "c", "main", Role.MAIN, np.array([1]), np.array([-0.1]), 0, prompt_ids=np.array([1]),
+                 output_forced=np.array([True, False]), output_policy_logprobs=np.array([-0.1]))
