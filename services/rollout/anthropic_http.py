@@ -5,9 +5,13 @@ A request is translated into the chat-completions call the OpenAI endpoint serve
 rendered, routed, recorded (TITO) and reused across turns exactly the same way:
 
     system (string or text blocks)          -> a system message
+    system messages in the list (Claude Code's environment block) -> system messages in place
     user text blocks / tool_result blocks   -> a user message / tool messages (tool_call_id = tool_use_id)
     assistant text / tool_use blocks        -> content / tool_calls (arguments = the input as JSON)
     tools [{name, description, input_schema}], tool_choice auto|any|tool|none, stop_sequences
+    thinking / redacted_thinking blocks, ``thinking``, ``context_management``, ``output_config``,
+    ``metadata``, ``cache_control``   -> accepted and passed over (the served models do not think;
+                                         the engines' prefix cache needs no hints)
 
 The reply comes back as content blocks (``text``, ``tool_use`` with its ``input`` object),
 ``stop_reason`` end_turn | max_tokens | stop_sequence | tool_use and ``usage``; with ``stream`` as
@@ -48,8 +52,11 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         out.append({"role": "system", "content": text_parts(body["system"], "system")})
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
+        if role == "system":  # mid-conversation system context, as Claude Code sends its environment
+            out.append({"role": "system", "content": text_parts(m.get("content") or "", f"messages.{i}.content")})
+            continue
         if role not in ("user", "assistant"):
-            raise InvalidArgument(f"messages.{i}.role must be user or assistant")
+            raise InvalidArgument(f"messages.{i}.role must be user, assistant or system")
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
@@ -64,6 +71,8 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
                     raise InvalidArgument(f"messages.{i}.content.{j}: tool_use needs an id and a name")
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # a client echoing its reasoning back: the served models write none to extend
             elif kind == "tool_result" and role == "user":
                 result = b.get("content", "")
                 out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
@@ -85,6 +94,9 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise InvalidArgument("tools must be a list of {name, description, input_schema}")
+        for k, t in enumerate(tools):
+            if t.get("type") not in (None, "custom"):  # server tools (web search, code execution...)
+                raise InvalidArgument(f"tools.{k}: tool type {t.get('type')!r} is not supported (client tools only)")
         chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                             "parameters": t.get("input_schema") or {"type": "object"}}}
                          for t in tools]

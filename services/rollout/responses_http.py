@@ -25,9 +25,12 @@ response.in_progress, response.output_item.added, response.content_part.added,
 response.output_text.delta / .done, response.function_call_arguments.delta / .done,
 response.output_item.done, response.completed; each with a ``sequence_number``).
 
-Not served, with a 400 naming it: ``previous_response_id`` (the gateway keeps no responses: send
-the whole input, as ``store: false`` clients do), ``background``, non-function tools (web search,
-file search, computer use...), image / file / audio input parts, ``n`` > 1 style fan-out. A
+Tools: function tools; a ``namespace`` tool (Codex's grouped tools) is offered as its member
+functions; hosted tools (``web_search``, ``file_search``, ``code_interpreter``...: run by OpenAI's
+servers, not the client) are accepted and not offered to the model (Codex sends ``web_search``
+with ``external_web_access: false``). Not served, with a 400 naming it: ``previous_response_id``
+(the gateway keeps no responses: send the whole input, as ``store: false`` clients do),
+``background``, other tool types, image / file / audio input parts, ``n`` > 1 style fan-out. A
 ``function_call_output`` whose ``call_id`` no ``function_call`` of the input made, and an item of
 an unknown type, are 400s too; nothing is recorded for a refused request.
 """
@@ -159,17 +162,11 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if tools:
         if not isinstance(tools, list):
             raise InvalidArgument("tools must be a list of function tools")
-        chat_tools = []
+        chat_tools: list[dict[str, Any]] = []
         for k, t in enumerate(tools):
-            if not isinstance(t, dict) or t.get("type") != "function":
-                tool_type = t.get("type") if isinstance(t, dict) else None
-                raise InvalidArgument(f"tools[{k}]: tool type {tool_type!r} is not supported (function tools only)")
-            if not isinstance(t.get("name"), str) or not t["name"]:
-                raise InvalidArgument(f"tools[{k}]: a function tool needs a name")
-            chat_tools.append({"type": "function", "function": {
-                "name": t["name"], "description": t.get("description") or "",
-                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
-        chat["tools"] = chat_tools
+            chat_tools += _function_tools(t, f"tools[{k}]")
+        if chat_tools:
+            chat["tools"] = chat_tools
     choice = body.get("tool_choice")
     if choice is not None:
         if choice in ("auto", "none", "required"):
@@ -193,6 +190,31 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         else:
             raise InvalidArgument(f"text.format type must be text, json_object or json_schema, got {kind!r}")
     return chat
+
+
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                "computer_use_preview", "mcp", "local_shell")
+
+
+def _function_tools(t: Any, where: str) -> list[dict[str, Any]]:
+    """A Responses tool as chat function tools: a function tool as itself, a namespace (Codex's
+    grouped tools) as its member functions, a hosted tool (web search...: run by OpenAI's servers,
+    not by the client) as none (the model is not offered it)."""
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind in HOSTED_TOOLS:
+        return []
+    if kind == "namespace":
+        members = t.get("tools")
+        if not isinstance(members, list):
+            raise InvalidArgument(f"{where}: a namespace tool needs a list of tools")
+        return [f for j, m in enumerate(members) for f in _function_tools(m, f"{where}.tools[{j}]")]
+    if kind != "function":
+        raise InvalidArgument(f"{where}: tool type {kind!r} is not supported (function tools, namespaces of them, "
+                              "and hosted tools, which are not offered)")
+    if not isinstance(t.get("name"), str) or not t["name"]:
+        raise InvalidArgument(f"{where}: a function tool needs a name")
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}]
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:

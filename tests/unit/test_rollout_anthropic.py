@@ -30,12 +30,33 @@ def test_a_messages_request_becomes_the_equivalent_chat_call() -> None:
     assert chat["tools"][0]["function"]["parameters"] == {"type": "object"}
     for bad, why in [({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
                      ({"max_tokens": 1, "messages": []}, "messages"),
-                     ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "role"),
+                     ({"max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]}, "role"),
+                     ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools only"),
                      ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
                      ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "x"}},
                       "tool_choice")]:
         with pytest.raises(InvalidArgument, match=why):
             to_chat(bad)
+
+
+def test_claude_code_shaped_requests_translate() -> None:
+    """What Claude Code sends: a system message mid-list (its environment block), cache_control
+    marks, thinking / context-management / effort fields and echoed thinking blocks."""
+    chat = to_chat({"model": "gyre", "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"},
+                    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                    "output_config": {"effort": "high"}, "metadata": {"user_id": "u"},
+                    "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                 {"role": "system", "content": [{"type": "text", "text": "# Environment",
+                                                                 "cache_control": {"type": "ephemeral"}}]},
+                                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "...",
+                                                                    "signature": "s"}, {"type": "text", "text": "hello"}]},
+                                 {"role": "user", "content": "list files"}]})
+    assert chat["messages"] == [{"role": "system", "content": "You are Claude Code."}, {"role": "user", "content": "hi"},
+                                {"role": "system", "content": "# Environment"},
+                                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "list files"}]
+    assert chat["max_tokens"] == 32000 and chat["stream"] is True
 
 
 def test_replies_and_streams_come_back_as_messages() -> None:

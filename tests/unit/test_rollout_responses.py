@@ -47,6 +47,15 @@ def test_a_responses_request_becomes_the_equivalent_chat_call() -> None:
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_codex_tools_namespaces_flatten_and_hosted_tools_are_not_offered() -> None:
+    fn = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
+    chat = to_chat({"input": "x", "tools": [fn, {"type": "web_search", "external_web_access": False},
+                                            {"type": "namespace", "name": "multi_agent_v1", "description": "d",
+                                             "tools": [{**fn, "name": "close_agent"}]}]})
+    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command", "close_agent"]
+    assert "tools" not in to_chat({"input": "x", "tools": [{"type": "web_search"}]})
+
+
 def test_text_format_is_the_chat_response_format_and_its_grammar() -> None:
     from services.rollout.grammar import GrammarSpec
     from services.rollout.openai_http import response_grammar
@@ -75,7 +84,8 @@ def test_text_format_is_the_chat_response_format_and_its_grammar() -> None:
     ({"input": [{"role": "tool", "content": "x"}]}, "role must be"),
     ({"input": [{"role": "system", "content": "x"}]}, "no message to answer"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tool type 'web_search'"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "grammar_tool"}]}, "tool type 'custom'"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "ns"}]}, "a namespace tool needs a list"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format json_schema needs a 'schema'"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format type must be"),

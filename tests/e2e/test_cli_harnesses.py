@@ -1,0 +1,180 @@
+"""Real coding CLIs, unmodified, from their registries (pinned), against the live stack.
+
+Each CLI runs in its own network namespace whose only reachable address is the test's gateway
+(``tests/support/netns.py``), configured with nothing but a lease's session base URL, a dummy key
+and the served model's name; its telemetry, error reporting and update checks are off (and could
+reach nothing anyway). The engine serves the built-in model (65,536 positions: a coding CLI's
+system prompt and tool definitions are 10-20K tokens). The checks are on the records: every call
+the CLI made is a TITO record under the lease's execution, and they form one trajectory path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from protos.gyre.v1 import rollout_pb2_grpc
+from services.common.redis_store import connect
+from services.common.server import GyreServer, build_server
+from services.rollout.config import EngineConfig, GatewayConfig
+from services.rollout.host import EngineHost
+from services.rollout.http_server import OpenAIServer
+from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
+from services.rollout.openai_http import OpenAIEndpoint
+from services.rollout.servicer import EngineServicer
+from services.rollout.tito import TitoForwarder
+from services.scheduler.sessions import Sessions
+from services.trajectory.client import TrajectoryClient
+from services.trajectory.config import TrajectoryConfig
+from services.trajectory.main import build_trajectory
+from tests.support import clis, netns
+from tests.support.redis_server import RedisServer
+from tests.support.rollout_cluster import LocalGateway, start_gateway
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(1)
+SERVED = "gyre"
+
+
+@dataclass
+class Stack:
+    http: OpenAIServer
+    forwarder: TitoForwarder
+    trajectory: TrajectoryClient
+    redis_url: str
+    bridge: netns.UnixToTcp
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    why = netns.netns_available()
+    if why:
+        pytest.skip(why)
+    redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    traj: GyreServer
+    traj, _ = build_trajectory(TrajectoryConfig(redis_url=redis_srv.url, port=0,
+                                                spool_dir=str(tmp_path_factory.mktemp("spool"))))
+    traj.start()
+    traj.set_serving(True)
+    engine = _load_engine(EngineConfig(model="builtin-tiny", device="cpu", torch_threads=1, max_batch_size=8))
+    host = EngineHost(engine, cell_id="cell-cli", kv_kinds=("tcp",))
+    engine_server = build_server("engine-cli", [(rollout_pb2_grpc.add_EngineServicer_to_server,
+                                                 EngineServicer(host, attach_wait_s=20.0))],
+                                 service_names=["gyre.v1.Engine"], max_workers=32)
+    host.address = engine_server.address
+    host.start()
+    engine_server.start()
+    engine_server.set_serving(True)
+    forwarder = TitoForwarder(_tito_sink(GatewayConfig(trajectory_address=traj.address))).start()
+    gw: LocalGateway = start_gateway(on_record=forwarder.submit)
+    gw.client().register_engine("cell-cli", engine_server.address)
+    sessions = Sessions(connect(redis_srv.url))
+    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=_load_tokenizer(GatewayConfig(tokenizer_path="builtin-tiny")),
+                              model_name=SERVED, job_id="job-cli", sessions=sessions)
+    http = OpenAIServer(endpoint, max_body_bytes=16 << 20).start()
+    sessions.publish_http_url(http.base_url)
+    host_port = http.base_url.split("//")[1].split("/")[0]
+    bridge = netns.UnixToTcp(tmp_path_factory.mktemp("bridge") / "gateway.sock", host_port.split(":")[0],
+                             int(host_port.split(":")[1]))
+    client = TrajectoryClient(traj.address)
+    yield Stack(http, forwarder, client, redis_srv.url, bridge)
+    bridge.close()
+    client.close()
+    http.stop()
+    gw.stop()
+    forwarder.stop(timeout_s=10)
+    engine_server.stop(0)
+    host.stop()
+    traj.stop(0)
+    redis_srv.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(stack: Stack, argv: Any, env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """Run the CLI command ``argv(port)`` in a fresh network namespace where the gateway alone is
+    reachable, as ``127.0.0.1:port``; returns the finished process and the connections it made."""
+    port = _free_port()
+    before = stack.bridge.connections
+    env = {"PATH": os.environ["PATH"], "HOME": str(cwd / "home"), "PYTHONPATH": str(clis.REPO), **env}
+    (cwd / "home").mkdir(exist_ok=True)
+    proc = subprocess.run(netns.command(port, stack.bridge.path, argv(port)), env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, stack.bridge.connections - before
+
+
+def _check_records(stack: Stack, lease: Any, job_id: str) -> None:
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats(lease.execution_id, job_id=job_id)
+    assert stats.num_calls >= 1 and stats.paths == 1 and stats.trainable_tokens > 0
+    assert stats.unique_tokens > 5_000  # its system prompt and tool definitions reached the model
+
+
+@contextmanager
+def _session(stack: Stack, job_id: str) -> Iterator[tuple[Any, str]]:
+    """A leased execution of a one-execution job and its session token, held while the CLI runs."""
+    from tests.e2e.test_smollm2_openai import _leased_session
+    from tests.service.scheduler_support import in_process_scheduler
+
+    with in_process_scheduler(stack.redis_url) as sched:
+        lease = _leased_session(sched, job_id, f"{job_id}-harness")
+        try:
+            yield lease, lease.session_base_url.split("/s/", 1)[1].removesuffix("/v1")
+        finally:
+            sched.client.cancel_job(job_id, "test over")
+
+
+def test_claude_code_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) -> None:
+    """Claude Code (npm, ``claude -p``) with ``ANTHROPIC_BASE_URL`` = a session URL: its Messages
+    requests (mid-conversation system messages, thinking/context-management/effort fields, ~20 tools,
+    streaming) are served, its reply printed, and its call recorded under the lease's execution."""
+    exe, why = clis.npm_cli(*clis.CLAUDE_CODE)
+    if exe is None:
+        pytest.skip(why)
+    env = {"ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": SERVED, "ANTHROPIC_SMALL_FAST_MODEL": SERVED,
+           "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    with _session(stack, "claude-job") as (lease, token):
+        proc, connections = _run(stack, lambda port: ["env", f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}/s/{token}",
+                                                      str(exe), "-p", "List the files here.", "--max-turns", "1"],
+                                 env, tmp_path)
+        assert proc.stdout.strip() and "API Error" not in proc.stdout and connections >= 1
+        _check_records(stack, lease, "claude-job")
+
+
+def test_codex_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) -> None:
+    """Codex (npm, ``codex exec``) with a model provider whose base URL is a session URL and
+    ``wire_api = "responses"``: its Responses requests (developer messages, function tools, a
+    namespace of tools, the hosted web_search tool, reasoning/include/client_metadata fields,
+    streaming) are served, its reply printed, and its call recorded under the lease's execution."""
+    exe, why = clis.npm_cli(*clis.CODEX)
+    if exe is None:
+        pytest.skip(why)
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    env = {"CODEX_HOME": str(codex_home), "OPENAI_API_KEY": "unused"}
+
+    def argv(port: int, token: str) -> list[str]:
+        provider = (f'model_providers.gyre={{name="gyre", base_url="http://127.0.0.1:{port}/s/{token}/v1", '
+                    'wire_api="responses", env_key="OPENAI_API_KEY"}')
+        return [str(exe), "exec", "--skip-git-repo-check", "-m", SERVED, "-c", "model_provider=gyre", "-c", provider,
+                "-c", "check_for_update_on_startup=false", "List the files here."]
+
+    with _session(stack, "codex-job") as (lease, token):
+        proc, connections = _run(stack, lambda port: argv(port, token), env, tmp_path)
+        assert proc.stdout.strip() and connections >= 1
+        _check_records(stack, lease, "codex-job")
