@@ -5,11 +5,12 @@ Each CLI runs in its own network namespace whose only reachable address is the t
 and the served model's name; its telemetry, error reporting and update checks are off (and could
 reach nothing anyway). The engine serves the built-in model (65,536 positions: a coding CLI's
 system prompt and tool definitions are 10-20K tokens). The checks are on the records: every call
-the CLI made is a TITO record under the lease's execution, and they form one trajectory path.
+the CLI made is a TITO record under the lease's execution, and the trajectory paths they form.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -178,3 +179,26 @@ def test_codex_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) ->
         proc, connections = _run(stack, lambda port: argv(port, token), env, tmp_path)
         assert proc.stdout.strip() and connections >= 1
         _check_records(stack, lease, "codex-job")
+
+
+def test_mini_swe_agent_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) -> None:
+    """mini-swe-agent (PyPI, ``mini``, its litellm model and default config) with the session URL
+    as its model's ``api_base``: two steps. The built-in model writes no bash tool call, and
+    mini-swe-agent then sends its format-error message *without* the reply it rejected, so the
+    second call is a sibling of the first under their shared prompt: two paths, the prefix once."""
+    exe = clis.pip_cli(*clis.MINI_SWE_AGENT)
+    env = {"OPENAI_API_KEY": "unused", "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1",
+           "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    trajectory = tmp_path / "trajectory.json"
+    with _session(stack, "mini-job") as (lease, token):
+        proc, connections = _run(stack, lambda port: [
+            str(exe), "-m", f"openai/{SERVED}", "-t", "List the files here.", "-y", "--exit-immediately",
+            "-o", str(trajectory), "-c", "mini.yaml", "-c", "agent.step_limit=2", "-c", "agent.mode=yolo",
+            "-c", f"model.model_kwargs.api_base=http://127.0.0.1:{port}/s/{token}/v1"], env, tmp_path)
+        sent = json.loads(trajectory.read_text())
+        assert connections >= 1 and sent["info"]["exit_status"] == "LimitsExceeded"
+        assert [m["role"] for m in sent["messages"][:3]] == ["system", "user", "user"]  # no assistant turn kept
+        assert stack.forwarder.flush(timeout_s=60)
+        stats = stack.trajectory.execution_stats(lease.execution_id, job_id="mini-job")
+        assert stats.num_calls == 2 and stats.paths == 2 and stats.trainable_tokens > 0
+        assert stats.tree_tokens < stats.naive_tokens  # the shared system prompt and task are stored once

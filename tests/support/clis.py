@@ -2,7 +2,8 @@
 
 ``npm_cli(package, version, binary)`` installs ``package@version`` under ``.gyre/clis/`` (a file
 lock guards concurrent test processes) and returns the path of its ``binary``; ``None`` with the
-reason when npm is not installed here.
+reason when npm is not installed here. ``pip_cli`` does the same for a PyPI package, in a virtual
+environment of its own (its dependencies, e.g. litellm's openai, never touch Gyre's).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import shutil
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,6 +20,19 @@ CLIS = REPO / ".gyre" / "clis"
 
 CLAUDE_CODE = ("@anthropic-ai/claude-code", "2.1.328", "claude")
 CODEX = ("@openai/codex", "0.169.0", "codex")
+MINI_SWE_AGENT = ("mini-swe-agent", "2.4.6", "mini")
+
+
+def _install_once(where: Path, exe: Path, install: Callable[[], subprocess.CompletedProcess], what: str) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (where / ".complete").exists():
+            proc = install()
+            if proc.returncode != 0 or not exe.exists():
+                raise RuntimeError(f"installing {what} failed: {proc.stderr[-2000:]}")
+            (where / ".complete").touch()
+    return exe
 
 
 def npm_cli(package: str, version: str, binary: str) -> tuple[Path | None, str]:
@@ -25,13 +41,20 @@ def npm_cli(package: str, version: str, binary: str) -> tuple[Path | None, str]:
         return None, "npm is not installed (the CLIs come from the npm registry)"
     where = CLIS / f"{package.replace('/', '+')}@{version}"
     exe = where / "node_modules" / ".bin" / binary
-    where.mkdir(parents=True, exist_ok=True)
-    with open(where / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (where / ".complete").exists():
-            proc = subprocess.run([npm, "install", "--prefix", str(where), "--no-audit", "--no-fund", "--no-save",
-                                   f"{package}@{version}"], capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0 or not exe.exists():
-                raise RuntimeError(f"npm install {package}@{version} failed: {proc.stderr[-2000:]}")
-            (where / ".complete").touch()
-    return exe, ""
+    return _install_once(where, exe, lambda: subprocess.run(
+        [npm, "install", "--prefix", str(where), "--no-audit", "--no-fund", "--no-save", f"{package}@{version}"],
+        capture_output=True, text=True, timeout=900), f"{package}@{version}"), ""
+
+
+def pip_cli(package: str, version: str, binary: str) -> Path:
+    where = CLIS / f"{package}@{version}"
+    exe = where / "bin" / binary
+
+    def install() -> subprocess.CompletedProcess:
+        made = subprocess.run([sys.executable, "-m", "venv", str(where)], capture_output=True, text=True)
+        if made.returncode != 0:
+            return made
+        return subprocess.run([str(where / "bin" / "pip"), "install", "--quiet", f"{package}=={version}"],
+                              capture_output=True, text=True, timeout=900)
+
+    return _install_once(where, exe, install, f"{package}=={version}")
