@@ -34,7 +34,8 @@ def _exact_fp32() -> Iterator[None]:
 
 
 def _on(t: TreeTensors, device: str) -> TreeTensors:
-    return TreeTensors(**{f.name: getattr(t, f.name).to(device) for f in dataclasses.fields(t)})
+    return dataclasses.replace(t, **{f.name: getattr(t, f.name).to(device) for f in dataclasses.fields(t)
+                                     if isinstance(getattr(t, f.name), torch.Tensor)})
 
 
 def _forest(tokens: int, vocab: int) -> TreeTensors:
@@ -238,3 +239,68 @@ def test_decode_graphs_are_recaptured_after_a_capacity_change_and_a_weight_swap(
         assert static.captures == captured + 1  # dropped, then captured again on the new storage
     finally:
         graphs.stop(), eager.stop()
+
+
+def _tokenizer_dir() -> str:
+    """SmolLM2's tokenizer files: ``GYRE_TEST_TOKENIZER_DIR`` on a GPU host without the model cache."""
+    import os
+
+    from services.models.source import SMOLLM2, resolve_model
+
+    return os.environ.get("GYRE_TEST_TOKENIZER_DIR") or str(resolve_model(SMOLLM2))
+
+
+def test_grammar_constrained_decode_on_cuda_with_graphs() -> None:
+    """Schema-constrained requests batched with free ones on CUDA, decode replayed from graphs (the
+    masked logits are a copy of the graph's output buffer): schema-valid JSON, forced flags, the
+    same tokens and flags as the eager decode, and the unmasked logprobs of the reference forward."""
+    import json
+
+    from services.rollout.engine import GenRequest, SamplingParams
+    from services.rollout.grammar import GrammarSpec
+    from services.rollout.torch_engine import TorchEngine, build_tiny_model
+    from tests.unit.test_rollout_engine import Collector
+
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    model = build_tiny_model(49152, hidden_size=64, seed=4).cuda()
+    prompts = [np.random.default_rng(i).integers(100, 5000, 10 + i).astype(np.int32) for i in range(4)]
+    runs = {}
+    for graphs in (False, True):
+        engine = TorchEngine(model, device="cuda", cuda_graphs=graphs, tokenizer_dir=_tokenizer_dir())
+        engine.start()
+        try:
+            col = Collector()
+            for i, p in enumerate(prompts):
+                params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_new_tokens=80, stop_token_ids=(2,))
+                engine.submit(GenRequest(f"c{i}", p, dataclasses.replace(params, grammar=spec)), col)
+                engine.submit(GenRequest(f"f{i}", p, params), col)
+            runs[graphs] = {}
+            for i in range(4):
+                evs = col.wait(f"c{i}")
+                assert evs[-1].finish_reason == "stop"
+                forced = [bool(x) for e in evs if e.forced is not None for x in e.forced]
+                policy = [float(x) for e in evs if e.policy_logprobs is not None for x in e.policy_logprobs]
+                runs[graphs][i] = (col.tokens(f"c{i}"), forced, policy)
+                col.wait(f"f{i}")
+            if graphs:
+                assert engine.decode_graph_captures >= 1
+        finally:
+            engine.stop()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tokenizer_dir(), local_files_only=True)
+    for i in range(4):
+        out, forced, policy = runs[True][i]
+        value = json.loads(tok.decode(out[:-1]))
+        assert set(value) == {"name", "n"} and 0 <= value["n"] <= 99 and forced[-1]
+        if i % 2:  # greedy: graphs and eager agree token for token
+            assert runs[True][i][:2] == runs[False][i][:2]
+        ids = torch.from_numpy(np.concatenate([prompts[i], out]).astype(np.int64))[None].cuda()
+        with torch.no_grad():
+            ref = torch.log_softmax(model(input_ids=ids).logits[0, len(prompts[i]) - 1:-1].float(), -1)
+        want = ref.gather(-1, torch.tensor(out, device="cuda")[:, None])[:, 0].cpu().numpy()
+        np.testing.assert_allclose(policy, want, atol=1e-3)
