@@ -94,9 +94,9 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if tools:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise InvalidArgument("tools must be a list of {name, description, input_schema}")
-        for k, t in enumerate(tools):
+        for n, t in enumerate(tools):
             if t.get("type") not in (None, "custom"):  # server tools (web search, code execution...)
-                raise InvalidArgument(f"tools.{k}: tool type {t.get('type')!r} is not supported (client tools only)")
+                raise InvalidArgument(f"tools.{n}: tool type {t.get('type')!r} is not supported (client tools only)")
         chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                             "parameters": t.get("input_schema") or {"type": "object"}}}
                          for t in tools]

@@ -164,7 +164,9 @@ class JobController:
         spec = job.spec
         try:
             self.trajectory.open_step(job.job_id, step, num_executions=spec.step_size, group_size=spec.group_size,
-                                      token_budget=self.token_budget)
+                                      token_budget=self.token_budget,
+                                      normalize_advantages=spec.algorithm.normalize_advantages,
+                                      advantage_eps=spec.algorithm.advantage_eps)
         except GyreError as exc:
             self._error(job.job_id, "open_step", exc)
             return False

@@ -95,7 +95,8 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
         raise InvalidArgument(f"invalid job spec: {exc}") from None
 
 
-_ALGORITHM_UNSET_IS_DEFAULT = ("learning_rate", "clip_high", "max_grad_norm", "temperature", "loss_aggregation")
+_ALGORITHM_UNSET_IS_DEFAULT = ("learning_rate", "clip_high", "max_grad_norm", "temperature", "loss_aggregation",
+                               "advantage_eps")
 
 
 def algorithm_from_proto(p: scheduler_pb2.Algorithm) -> Algorithm:

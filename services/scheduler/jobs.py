@@ -13,13 +13,13 @@ them to and from protos. Invariants live here, where the types are defined:
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from services.algorithm import Algorithm
 from services.scheduler.policy import Mode, PolicyParams, Role
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -120,51 +120,7 @@ class TaskSource:
                 )
 
 
-LOSS_AGGREGATIONS = ("execution_mean",)
 HARNESSES = ("builtin", "external")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Algorithm:
-    """How the trainer turns scored executions into an update (``[job.algorithm]``)."""
-
-    learning_rate: float = 1e-5
-    """AdamW learning rate."""
-    clip_low: float = 0.2
-    """Lower clip range of the policy ratio (1 - clip_low)."""
-    clip_high: float = 0.28
-    """Upper clip range of the policy ratio (1 + clip_high, "clip-higher")."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL term against the behaviour policy's log-probs."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
-    tis_cap: float = 0.0
-    """Truncated importance sampling cap on trainer/behaviour ratios (0: off)."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip (0: none)."""
-    loss_aggregation: str = "execution_mean"
-    """Token losses are averaged within each execution, then over executions (the only one so far)."""
-    temperature: float = 1.0
-    """Rollout sampling temperature (the trainer divides its logits by it)."""
-
-    def __post_init__(self) -> None:
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"algorithm.learning_rate is {self.learning_rate}; expected a finite number > 0")
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"algorithm.clip_low is {self.clip_low}; expected in [0, 1)")
-        for name in ("clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm"):
-            v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"algorithm.{name} is {v}; expected a finite number >= 0")
-        if self.tis_cap != 0.0 and not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
-            raise ValueError(f"algorithm.tis_cap is {self.tis_cap}; expected 0 (off) or a finite number >= 1")
-        if self.loss_aggregation not in LOSS_AGGREGATIONS:
-            raise ValueError(f"algorithm.loss_aggregation is {self.loss_aggregation!r}; expected one of "
-                             f"{', '.join(LOSS_AGGREGATIONS)}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"algorithm.temperature is {self.temperature}; expected a finite number > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from services.trainer.learner import OptimConfig
-    from services.trainer.objective import ObjectiveConfig
+    from services.algorithm import ObjectiveConfig
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 """Compute dtypes, by their torch names."""
@@ -23,7 +23,7 @@ _DEVICE = re.compile(r"(cpu|cuda|mps)(:\d+)?")
 
 
 def _objective() -> ObjectiveConfig:
-    from services.trainer.objective import ObjectiveConfig
+    from services.algorithm import ObjectiveConfig
 
     return ObjectiveConfig()
 

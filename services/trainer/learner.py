@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from services.trainer.batch import PackedBatchLike, staleness, validate_batch
-from services.trainer.objective import SUM_METRICS, ObjectiveConfig, policy_loss
+from services.algorithm import SUM_METRICS, ObjectiveConfig, policy_loss
 from services.trainer.tree_forward import TreePolicy, TreeTensors
 
 # Staleness histogram buckets (versions behind): 0, 1, 2, 3, 4-7, 8+.

@@ -47,7 +47,7 @@ def _default(cls: type, name: str) -> Any:
 def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
     """TrainerJob from the wire; unset fields take the dataclass defaults, ``options`` apply last."""
     from services.trainer.learner import OptimConfig
-    from services.trainer.objective import ObjectiveConfig
+    from services.algorithm import ObjectiveConfig
 
     o = spec.objective
     obj: dict[str, Any] = {k: v for k in ("eps_low", "eps_high", "tis_cap", "kl_coef", "entropy_coef")

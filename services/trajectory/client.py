@@ -132,10 +132,10 @@ class TrajectoryClient(GrpcClient):
 
     # ----------------------------------------------------------------- steps
     def open_step(self, job_id: str, step: int, *, num_executions: int = 0, group_size: int = 0,
-                  token_budget: int = 0) -> StepPlan:
+                  token_budget: int = 0, normalize_advantages: bool = False, advantage_eps: float = 0.0) -> StepPlan:
         return plan_from_proto(self._call(self._stub.OpenStep, trajectory_pb2.OpenStepRequest(
             job_id=job_id, step=step, num_executions=num_executions, group_size=group_size,
-            token_budget=token_budget)))
+            token_budget=token_budget, normalize_advantages=normalize_advantages, advantage_eps=advantage_eps)))
 
     def close_step(self, job_id: str, step: int) -> StepPlan:
         return plan_from_proto(self._call(self._stub.CloseStep, trajectory_pb2.StepRef(job_id=job_id, step=step)))

@@ -17,8 +17,6 @@ class TrajectoryConfig(ServerConfig):
     token_budget: int = setting(16384, "Default micro-batch size, tokens (a step may set its own).")
     vocab_size: int = setting(0, "Token ids must be < vocab_size; 0 = only the int32 range is checked.")
     max_record_tokens: int = setting(4_194_304, "Largest record (new prompt tokens + output), tokens.")
-    normalize_advantages: bool = setting(False, "Divide group-relative advantages by the group's reward std.")
-    advantage_eps: float = setting(1e-6, "Added to the reward std when normalize_advantages is on.")
     batch_lease_s: float = setting(1800.0, "A handed-out micro-batch not acknowledged within this many seconds "
                                            "is handed to another trainer replica.")
     max_in_flight: int = setting(2, "Unacknowledged micro-batches one trainer replica may hold.")
@@ -33,7 +31,6 @@ class TrajectoryConfig(ServerConfig):
         check(self.token_budget >= 16, "token_budget", self.token_budget, "at least 16 tokens")
         check(self.vocab_size >= 0, "vocab_size", self.vocab_size, ">= 0 (0 = unchecked)")
         check(self.max_record_tokens >= 1, "max_record_tokens", self.max_record_tokens, "at least 1 token")
-        check(self.advantage_eps > 0, "advantage_eps", self.advantage_eps, "> 0")
         check(self.batch_lease_s > 0, "batch_lease_s", self.batch_lease_s, "> 0 seconds")
         check(self.max_in_flight >= 1, "max_in_flight", self.max_in_flight, "at least 1")
         check(self.stream_poll_s > 0, "stream_poll_s", self.stream_poll_s, "> 0 seconds")

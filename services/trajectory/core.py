@@ -20,6 +20,7 @@ rebuilt lazily from the spool; chunks of released groups not yet in a batch are 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -32,7 +33,7 @@ from prometheus_client import Counter, Histogram
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
-from services.trajectory.advantages import outcome_advantages
+from services.algorithm import DEFAULT_ADVANTAGE_EPS, outcome_advantages, token_weight
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.packing import Chunk, PackedBatch, assemble, pack_sizes, split_tree
 from services.trajectory.records import IngestSummary, Outcome, TitoCall
@@ -288,7 +289,7 @@ class TrajectoryCore:
 
     # ================================================================= steps
     def open_step(self, job: str, step: int, *, num_executions: int = 0, group_size: int = 0,
-                  token_budget: int = 0) -> StepPlan:
+                  token_budget: int = 0, normalize_advantages: bool = False, advantage_eps: float = 0.0) -> StepPlan:
         job = job or DEFAULT_JOB
         if num_executions < 0 or group_size < 0 or token_budget < 0 or step < 0:
             raise InvalidArgument("step, num_executions, group_size and token_budget must be >= 0")
@@ -296,11 +297,15 @@ class TrajectoryCore:
             raise InvalidArgument(f"num_executions ({num_executions}) must be a multiple of group_size ({group_size})")
         if token_budget and token_budget < 16:
             raise InvalidArgument(f"token_budget {token_budget} is too small; use at least 16 tokens")
+        if not (advantage_eps >= 0 and math.isfinite(advantage_eps)):
+            raise InvalidArgument(f"advantage_eps is {advantage_eps}; expected a finite number >= 0 (0: the default)")
         st = self._step(job, step)
         with st.lock:
             spec = st.spec
             wanted = replace(spec, num_executions=num_executions or spec.num_executions,
-                             group_size=group_size or spec.group_size, token_budget=token_budget or spec.token_budget)
+                             group_size=group_size or spec.group_size, token_budget=token_budget or spec.token_budget,
+                             normalize_advantages=normalize_advantages or spec.normalize_advantages,
+                             advantage_eps=advantage_eps or spec.advantage_eps)
             changed = [f for f in ("num_executions", "group_size", "token_budget")
                        if getattr(spec, f) and getattr(spec, f) != getattr(wanted, f)]
             if changed or (spec.sealed and wanted != spec):
@@ -392,7 +397,8 @@ class TrajectoryCore:
         """Advantages, selected trees and chunks of one group's executions (chunks not in ``emitted``)."""
         st.released.add(group)
         members = [st.outcomes[e] for e in st.groups.get(group, [])]
-        adv = outcome_advantages(members, normalize_std=self.cfg.normalize_advantages, eps=self.cfg.advantage_eps)
+        adv = outcome_advantages(members, normalize_std=st.spec.normalize_advantages,
+                                 eps=st.spec.advantage_eps or DEFAULT_ADVANTAGE_EPS)
         cap = _cap(st.spec.max_paths)
         for o in members:
             ex = self._execution(st.job_id, o.execution_id)
@@ -443,7 +449,7 @@ class TrajectoryCore:
             chunks = [c for _, _, c in entries]
             eids = {e for e, _, _ in entries}
             batch = assemble(chunks, step=st.step, advantages={e: st.ready[e].advantage for e in eids},
-                             token_weights={e: 1.0 / (st.ready[e].num_trainable * denom) for e in eids},
+                             token_weights={e: token_weight(st.ready[e].num_trainable, denom) for e in eids},
                              token_budget=budget)
             batch.validate()
             context = sum(len(c.context) for c in chunks)

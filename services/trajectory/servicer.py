@@ -69,8 +69,10 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
         return stats_to_proto(self.core.execution_stats(request.job_id, request.execution_id, request.max_paths))
 
     def OpenStep(self, request: trajectory_pb2.OpenStepRequest, context: grpc.ServicerContext) -> trajectory_pb2.StepPlan:
-        return plan_to_proto(self.core.open_step(request.job_id, request.step, num_executions=request.num_executions,
-                                                 group_size=request.group_size, token_budget=request.token_budget))
+        return plan_to_proto(self.core.open_step(
+            request.job_id, request.step, num_executions=request.num_executions, group_size=request.group_size,
+            token_budget=request.token_budget, normalize_advantages=request.normalize_advantages,
+            advantage_eps=request.advantage_eps))
 
     def CloseStep(self, request: trajectory_pb2.StepRef, context: grpc.ServicerContext) -> trajectory_pb2.StepPlan:
         return plan_to_proto(self.core.close_step(request.job_id, request.step))

@@ -54,6 +54,8 @@ class StepSpec:
     token_budget: int = 0
     max_paths: int = 0
     sealed: bool = False
+    normalize_advantages: bool = False  # the job's [job.algorithm] (services/algorithm.py)
+    advantage_eps: float = 0.0  # 0: the default
 
 
 @dataclass(frozen=True)

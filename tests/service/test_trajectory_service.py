@@ -354,3 +354,23 @@ def test_grammar_forced_tokens_stay_context_across_a_restart(start) -> None:
     svc2 = start()
     assert svc2.client.execution_stats("g1", job_id=JOB).trainable_tokens == 2
     assert svc2.client.ingest([call]).duplicates == 1  # the same record again: a duplicate, not a conflict
+
+
+def test_the_jobs_advantage_normalisation_reaches_the_batches(start) -> None:
+    """[job.algorithm] normalize_advantages travels with OpenStep: a group's advantages are divided
+    by its reward std (rewards 1 and 0: +-1 instead of +-0.5); a bad eps is one sentence."""
+    svc = start()
+    for i in range(2):
+        svc.client.ingest(execution(f"n{i}", 40 + i), delta_encode=True)
+    svc.client.open_step(JOB, 0, num_executions=2, group_size=2, normalize_advantages=True)
+    svc.client.complete_execution(outcome("n0", "gN", 1.0))
+    svc.client.complete_execution(outcome("n1", "gN", 0.0))
+    got: list = []
+    _drain(svc.client, 0, "r0", got)
+    for item in got:
+        b = item.batch
+        for k, eid in enumerate(b.execution_ids):
+            mine = (b.execution_index == k) & b.trainable
+            assert np.allclose(b.advantages[mine], 1.0 if eid == "n0" else -1.0, atol=1e-5)
+    with pytest.raises(errors.InvalidArgument, match="advantage_eps"):
+        svc.client.open_step(JOB, 1, advantage_eps=-1.0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.trainer.model import build_model
-from services.trainer.objective import ObjectiveConfig, policy_loss
+from services.algorithm import ObjectiveConfig, policy_loss
 from services.trainer.synthetic import make_step
 from services.trainer.tree_forward import TreePolicy, TreeTensors
 from tests.unit.test_trainer_tree_forward import _chain as cpu_chain

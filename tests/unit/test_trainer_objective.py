@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.objective import ObjectiveConfig, k3_kl, policy_loss
+from services.algorithm import ObjectiveConfig, k3_kl, policy_loss
 
 # Four targets: trainer probs p, behaviour probs q -> ratios 1.25, 1.0, 0.5, 2.0.
 P = [0.5, 0.3, 0.2, 0.4]

@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from services.trainer.model import build_model
-from services.trainer.objective import ObjectiveConfig, policy_loss
+from services.algorithm import ObjectiveConfig, policy_loss
 from services.trainer.synthetic import SyntheticStep, make_step
 from services.trainer.tree_forward import (TreePolicy, TreeTensors, head_logprobs, tree_block_mask,
                                            tree_mask_dense, tree_mask_mod)

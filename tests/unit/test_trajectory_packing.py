@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
 from services.trajectory import wire
-from services.trajectory.advantages import group_advantages, outcome_advantages
+from services.algorithm import group_advantages, outcome_advantages
 from services.trajectory.packing import PackedBatch, assemble, pack_chunks, split_tree
 from services.trajectory.records import Outcome, Role, Status, TitoCall
 from services.trajectory.tree import ExecutionTree, TreeArrays

@@ -1,0 +1,48 @@
+"""The RL algorithm's one module (services/algorithm.py): the job section's checks, its mapping to
+the trainer's loss, and loss aggregation adding up to the mean over executions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.algorithm import Algorithm, ObjectiveConfig, group_advantages, token_weight
+from services.scheduler.convert import algorithm_from_proto
+from services.scheduler.jobs import JobSpec
+
+
+def test_the_job_section_validates_and_maps_to_the_trainers_loss() -> None:
+    a = Algorithm(clip_low=0.1, clip_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0,
+                  normalize_advantages=True, advantage_eps=1e-4)
+    assert a.objective() == ObjectiveConfig(eps_low=0.1, eps_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0)
+    assert Algorithm().objective().tis_cap is None  # 0 = off
+    for bad, why in [({"advantage_eps": 0.0}, "advantage_eps"), ({"loss_aggregation": "sum"}, "loss_aggregation"),
+                     ({"clip_low": 1.0}, "clip_low")]:
+        with pytest.raises(ValueError, match=why):
+            Algorithm(**bad)  # type: ignore[arg-type]
+    # through the job API's proto: the new fields round-trip, an unset eps reads as the default
+    from services.scheduler.convert import spec_from_proto, spec_to_proto
+    from tests.service.scheduler_support import job_spec
+
+    spec: JobSpec = job_spec("alg", algorithm=a)
+    assert spec_from_proto(spec_to_proto(spec), "alg").algorithm == a
+    msg = spec_to_proto(spec).algorithm
+    msg.advantage_eps = 0.0
+    assert algorithm_from_proto(msg).advantage_eps == Algorithm().advantage_eps
+
+
+def test_aggregation_weights_add_up_to_the_mean_over_executions() -> None:
+    lengths = [3, 10, 1, 250]
+    losses = [[0.5] * 3, [1.0] * 10, [2.0], [0.1] * 250]  # per-token losses of four executions
+    total = sum(token_weight(n, len(lengths)) * sum(ls) for n, ls in zip(lengths, losses))
+    assert total == pytest.approx((0.5 + 1.0 + 2.0 + 0.1) / 4)
+    with pytest.raises(ValueError):
+        token_weight(0, 4)
+    assert group_advantages({"a": 1.0, "b": 0.0}, normalize_std=True)["a"] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_the_module_imports_neither_torch_nor_numpy() -> None:
+    code = "import sys, services.algorithm; assert not {'torch', 'numpy'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
