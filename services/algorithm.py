@@ -19,7 +19,7 @@ knob is a field of the job's ``[job.algorithm]`` section (``Algorithm``):
    (``ObjectiveConfig``, ``policy_loss``; below).
 4. **The update** (the trainer, once per step, after the all-reduce of the summed gradients):
    AdamW with ``learning_rate`` and ``weight_decay``, global grad-norm clip ``max_grad_norm``
-   (``services/trainer/learner.py`` ``Learner.apply``).
+   (``services/trainer/learner.py`` ``Updater.apply``).
 
 Which tokens are trained is the trajectory tree's business (``services/trajectory/tree.py``): the
 tokens a policy sampled, once per tree node; a grammar's forced tokens are context

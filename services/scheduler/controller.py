@@ -253,10 +253,11 @@ class JobController:
         from protos.gyre.v1 import trainer_pb2
 
         spec, a = job.spec, job.spec.algorithm
-        objective = trainer_pb2.ObjectiveParams(eps_low=a.clip_low, eps_high=a.clip_high, kl_coef=a.kl_coef,
-                                                entropy_coef=a.entropy_coef, temperature=a.temperature)
-        if a.tis_cap:
-            objective.tis_cap = a.tis_cap
+        o = a.objective()  # the loss the job's [job.algorithm] means (services/algorithm.py)
+        objective = trainer_pb2.ObjectiveParams(eps_low=o.eps_low, eps_high=o.eps_high, kl_coef=o.kl_coef,
+                                                entropy_coef=o.entropy_coef, temperature=a.temperature)
+        if o.tis_cap is not None:
+            objective.tis_cap = o.tis_cap
         optim = trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay,
                                         max_grad_norm=a.max_grad_norm)
         return trainer_pb2.TrainerJobSpec(

@@ -23,6 +23,15 @@ CODEX = ("@openai/codex", "0.169.0", "codex")
 MINI_SWE_AGENT = ("mini-swe-agent", "2.4.6", "mini")
 
 
+# an install that failed for one of these reasons says the registry cannot be reached from here
+UNREACHABLE = ("ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESET", "getaddrinfo",
+               "Temporary failure in name resolution", "Failed to establish a new connection", "No route to host")
+
+
+class RegistryUnreachable(RuntimeError):
+    """The package registry could not be reached (not a failure of the package or of Gyre)."""
+
+
 def _install_once(where: Path, exe: Path, install: Callable[[], subprocess.CompletedProcess], what: str) -> Path:
     where.mkdir(parents=True, exist_ok=True)
     with open(where / ".lock", "w") as lock:
@@ -30,6 +39,9 @@ def _install_once(where: Path, exe: Path, install: Callable[[], subprocess.Compl
         if not (where / ".complete").exists():
             proc = install()
             if proc.returncode != 0 or not exe.exists():
+                shutil.rmtree(where / "node_modules", ignore_errors=True)
+                if any(s in proc.stderr + proc.stdout for s in UNREACHABLE):
+                    raise RegistryUnreachable(f"installing {what}: the registry is unreachable from here")
                 raise RuntimeError(f"installing {what} failed: {proc.stderr[-2000:]}")
             (where / ".complete").touch()
     return exe
