@@ -11,6 +11,7 @@ from pathlib import Path
 from services.common.config import ServerConfig, check, setting
 
 KV_KINDS = ("ucx", "tcp")
+HTTP_SERVERS = ("async", "threads")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +101,11 @@ class GatewayConfig(ServerConfig):
     http_max_body_mb: int = setting(64, "Largest HTTP request body, MiB (413 beyond).")
     http_idle_timeout_s: float = setting(60.0, "An HTTP connection idle (or sending its request) this long is closed.")
     http_max_connections: int = setting(4096, "HTTP connections served at once; more are answered 503 and closed.")
+    http_server: str = setting("async", "HTTP server: 'async' (one asyncio loop, aiohttp: an idle or streaming "
+                                        "connection holds no thread) or 'threads' (a thread per connection; the "
+                                        "earlier server, kept as the fallback).")
+    http_workers: int = setting(1024, "Threads of the async HTTP server running endpoint calls: a call, or a "
+                                      "stream's wait for its next chunk, holds one; more wait their turn.")
     http_advertise_url: str = setting("", "Base URL harnesses reach the HTTP endpoint at (sessions' base URLs "
                                           "extend it); empty = http://<this host towards Redis>:<port>/v1.")
     tokenizer_path: str = setting("", "HF tokenizer (with a chat template) for HTTP: a checkpoint directory or "
@@ -135,6 +141,8 @@ class GatewayConfig(ServerConfig):
         check(self.tito_forget_interval_s > 0, "tito_forget_interval_s", self.tito_forget_interval_s, "> 0 seconds")
         check(self.http_idle_timeout_s > 0, "http_idle_timeout_s", self.http_idle_timeout_s, "> 0 seconds")
         check(self.http_max_connections >= 1, "http_max_connections", self.http_max_connections, ">= 1")
+        check(self.http_server in HTTP_SERVERS, "http_server", self.http_server, "async or threads")
+        check(self.http_workers >= 1, "http_workers", self.http_workers, ">= 1")
         check(-1 <= self.http_port < 65536, "http_port", self.http_port, "-1, 0 or a port")
         check(self.http_max_body_mb >= 1, "http_max_body_mb", self.http_max_body_mb, "at least 1")
         check(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "at least 1")

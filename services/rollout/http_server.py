@@ -6,7 +6,9 @@ in each API's own shape (400 bad input, 401 / 403 credentials, 404 unknown route
 session, 410 an ended session, 413 too large, 503 no engine).
 
 The translation between the APIs and a gateway call lives in ``openai_http.py``; this module only
-moves bytes and maps failures to statuses.
+moves bytes; what to answer (auth, routes, limits, error bodies) is ``http_api.py``, shared with
+the asyncio server ``http_async.py`` (the gateway's default, ``http_server = "async"``); this one
+is ``http_server = "threads"``, the baseline and fallback.
 """
 
 from __future__ import annotations
@@ -15,26 +17,16 @@ import json
 import ssl
 import threading
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import Counter
-
-from services.common.errors import GyreError, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import InvalidArgument, NotFound
 from services.common.logging import get_logger
-from services.common.metrics import REGISTRY
-from services.rollout import anthropic_http as anthropic
-from services.rollout.openai_http import OpenAIEndpoint, SessionEnded
+from services.rollout import http_api
+from services.rollout.http_api import CONN_REFUSED
+from services.rollout.openai_http import OpenAIEndpoint
 
 log = get_logger(__name__)
-CONN_REFUSED = Counter("gyre_gateway_http_refused_connections_total",
-                       "HTTP connections refused because max_connections were open.", registry=REGISTRY)
-
-_CODES = {400: "invalid_request", 404: "not_found", 410: "session_ended", 413: "request_too_large", 409: "aborted",
-          503: "service_unavailable", 504: "timeout"}
-_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
-           "RESOURCE_EXHAUSTED": 413, "UNAVAILABLE": 503, "ABORTED": 409, "DEADLINE_EXCEEDED": 504}
 
 
 class _Limited(ThreadingHTTPServer):
@@ -57,12 +49,8 @@ class _Limited(ThreadingHTTPServer):
         if not self.slots.acquire(blocking=False):
             CONN_REFUSED.inc()
             try:
-                body = json.dumps({"error": {"message": "too many open connections; retry later",
-                                             "type": "service_unavailable", "param": None,
-                                             "code": "service_unavailable"}}).encode()
                 request.settimeout(1.0)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                request.sendall(http_api.REFUSAL)
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -98,11 +86,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         # the one shared token, or per-role tokens (harness and internal ones are admitted)
         self.auth = Security(auth_token=auth_token, tokens=tokens)
-        tls = None
-        if tls_cert_file:
-            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            tls.minimum_version = ssl.TLSVersion.TLSv1_2
-            tls.load_cert_chain(tls_cert_file, tls_key_file)
+        tls = http_api.tls_context(tls_cert_file, tls_key_file)
         handler = type("Handler", (_Handler,), {"server_ref": self, "timeout": idle_timeout_s})
         self.httpd = _Limited((host, port), handler, max_connections=max_connections, tls=tls)
         self.scheme = "https" if tls is not None else "http"
@@ -114,6 +98,7 @@ class OpenAIServer:
         return f"{self.scheme}://{self.httpd.server_address[0]!s}:{self.port}/v1"
 
     def start(self) -> "OpenAIServer":
+        http_api.raise_open_files_limit()
         self._thread.start()
         return self
 
@@ -140,54 +125,22 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("http connection closed", reason=type(exc).__name__)
 
     def _authorized(self) -> bool:
-        """With tokens configured, callers must send ``Authorization: Bearer <token>`` (or
-        ``x-api-key``) holding a harness (or internal) credential."""
-        auth = self.server_ref.auth
-        if not auth.auth_token and not auth.tokens:
+        denied = http_api.deny(self.server_ref.auth, self.headers, self.path)
+        if denied is None:
             return True
-        given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip() or \
-            (self.headers.get("x-api-key") or "").strip()  # (Anthropic clients send x-api-key)
-        role = auth.role_of(given)
-        if role in ("harness", "internal"):
-            return True
-        if role is not None:  # a valid operator credential: not for model calls
-            self.close_connection = True
-            message = f"a {role} credential may not call the model endpoint: it needs a harness credential"
-            if self._anthropic():
-                self._json(403, anthropic.error_body(403, message))
-            else:
-                self._json(403, {"error": {"message": message, "type": "permission_error", "param": None,
-                                           "code": "permission_denied"}})
-            return False
         self.close_connection = True
-        if self._anthropic():
-            self._json(401, anthropic.error_body(401, "missing or wrong API key"))
-        else:
-            self._json(401, {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
-                                       "param": None, "code": "invalid_api_key"}})
+        self._json(*denied)
         return False
-
-    def _anthropic(self) -> bool:
-        """A Messages API route: errors take that API's shape."""
-        return self.path.split("?")[0].rstrip("/").endswith("/v1/messages")
-
-    def _route(self) -> tuple[str, Any]:
-        """(route, the call's Gyre headers): a session URL's prefix is resolved and stripped."""
-        route = self.path.split("?")[0].rstrip("/")
-        if not route.startswith("/s/"):
-            return route, self.headers
-        token, _, rest = route[3:].partition("/")
-        return "/" + rest, self.server_ref.endpoint.session_headers(token, self.headers)
 
     def do_GET(self) -> None:
         if not self._authorized():
             return
         try:
-            route, _ = self._route()
+            route, _ = http_api.resolve(self.server_ref.endpoint, self.path, self.headers)
         except Exception as exc:  # deliberate: an unknown or ended session is a 404 / 410
             self._error(exc)
             return
-        if route in ("/v1/models", "/models"):
+        if http_api.is_models(route):
             self._json(200, self.server_ref.endpoint.models())
         else:
             self._error(NotFound(f"no route GET {self.path}"))
@@ -195,18 +148,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         if not self._authorized():
             return
-        ep = self.server_ref.endpoint
         try:
             try:
-                route, headers = self._route()
+                route, headers = http_api.resolve(self.server_ref.endpoint, self.path, self.headers)
+                handler = http_api.post_call(self.server_ref.endpoint, route, self.path)
             except Exception:
                 self._drain_body()
                 raise
-            handler = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completion,
-                       "/v1/messages": ep.messages, "/v1/responses": ep.responses}.get(route)
-            if handler is None:
-                self._drain_body()
-                raise NotFound(f"no route POST {self.path}")
             body = self._body()
             result, stream = handler(body, headers)
         except Exception as exc:  # deliberate: every failure becomes an OpenAI-style error
@@ -228,11 +176,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             log.info("openai stream client went away")
         except Exception as exc:  # deliberate: report in-band, the status line is already sent
-            if self._anthropic():
-                self.wfile.write(f"event: error\ndata: {json.dumps(anthropic.error_body(500, str(exc)))}\n\n".encode())
-                return
-            err = {"error": {"message": str(exc), "type": type(exc).__name__, "param": None, "code": "server_error"}}
-            self.wfile.write(f"data: {json.dumps(err)}\n\n".encode())
+            self.wfile.write(http_api.stream_error(exc, self.path))
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # a client that left cancels the engine-side request
 
     def _drain_body(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
@@ -258,16 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._discard(length)  # read it, so the client sees the 413 instead of a broken pipe
             else:
                 self.close_connection = True  # the unread body makes the connection unusable
-            raise ResourceExhausted(f"request body of {length} bytes exceeds the limit of "
-                                    f"{self.server_ref.max_body_bytes} bytes")
-        raw = self.rfile.read(length) if length else b""
-        try:
-            body = json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("request body must be a JSON object")
-        return body
+            raise http_api.too_large(length, self.server_ref.max_body_bytes)
+        return http_api.parse_body(self.rfile.read(length) if length else b"")
 
     def _json(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
@@ -280,20 +220,4 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, exc: BaseException) -> None:
-        if isinstance(exc, SessionEnded):
-            status = 410
-        elif isinstance(exc, GyreError):
-            status = _STATUS.get(exc.code.name, 500)
-        elif isinstance(exc, ValueError):
-            status = 400
-        else:
-            status = 500
-            log.error("http endpoint failed", exc_info=exc)
-        message = str(exc) or HTTPStatus(status).phrase
-        if self._anthropic():
-            self._json(status, anthropic.error_body(status, message))
-            return
-        kind = {400: "invalid_request_error", 404: "not_found_error", 410: "invalid_request_error",
-                413: "request_too_large", 503: "service_unavailable"}.get(status, "server_error")
-        self._json(status, {"error": {"message": message, "type": kind, "param": None,
-                                      "code": _CODES.get(status, "server_error")}})
+        self._json(*http_api.error_payload(exc, self.path))

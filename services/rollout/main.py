@@ -205,7 +205,7 @@ def build_gateway(cfg: GatewayConfig) -> Built:
     server = build_server("gateway", [(rollout_pb2_grpc.add_GatewayServicer_to_server, GatewayServicer(gateway))],
                           service_names=[GATEWAY_SERVICE], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
-    http = None
+    http: Any = None  # AsyncOpenAIServer or OpenAIServer (http_server)
     if cfg.http_port >= 0:
         from services.scheduler.sessions import Sessions
 
@@ -214,11 +214,17 @@ def build_gateway(cfg: GatewayConfig) -> Built:
                                   job_id=cfg.job_id, default_max_tokens=cfg.default_max_tokens,
                                   prompt_cache_tokens=cfg.prompt_cache_tokens, sessions=sessions,
                                   tool_parser=cfg.tool_parser)
-        http = OpenAIServer(endpoint, host=cfg.http_host, port=cfg.http_port,
-                            max_body_bytes=cfg.http_max_body_mb << 20,
-                            auth_token=security.current().auth_token, tokens=security.current().tokens,
-                            idle_timeout_s=cfg.http_idle_timeout_s, max_connections=cfg.http_max_connections,
-                            tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file).start()
+        limits: dict[str, Any] = dict(
+            host=cfg.http_host, port=cfg.http_port, max_body_bytes=cfg.http_max_body_mb << 20,
+            auth_token=security.current().auth_token, tokens=security.current().tokens,
+            idle_timeout_s=cfg.http_idle_timeout_s, max_connections=cfg.http_max_connections,
+            tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
+        if cfg.http_server == "async":
+            from services.rollout.http_async import AsyncOpenAIServer
+
+            http = AsyncOpenAIServer(endpoint, workers=cfg.http_workers, **limits).start()
+        else:
+            http = OpenAIServer(endpoint, **limits).start()
         public = cfg.http_advertise_url or (f"{http.scheme}://{advertised_host(cfg.http_host, towards=cfg.redis_url)}:"
                                             f"{http.port}/v1")
         threading.Thread(target=_publish_http_url, args=(sessions, public), name="publish-http", daemon=True).start()

@@ -28,7 +28,7 @@ from services.common.redis_store import connect
 from services.common.server import GyreServer, build_server
 from services.rollout.config import EngineConfig, GatewayConfig
 from services.rollout.host import EngineHost
-from services.rollout.http_server import OpenAIServer
+from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
 from services.rollout.openai_http import OpenAIEndpoint
 from services.rollout.servicer import EngineServicer
@@ -48,7 +48,7 @@ SERVED = "gyre"
 
 @dataclass
 class Stack:
-    http: OpenAIServer
+    http: AsyncOpenAIServer
     forwarder: TitoForwarder
     trajectory: TrajectoryClient
     redis_url: str
@@ -81,7 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     sessions = Sessions(connect(redis_srv.url))
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=_load_tokenizer(GatewayConfig(tokenizer_path="builtin-tiny")),
                               model_name=SERVED, job_id="job-cli", sessions=sessions)
-    http = OpenAIServer(endpoint, max_body_bytes=16 << 20).start()
+    http = AsyncOpenAIServer(endpoint, max_body_bytes=16 << 20).start()
     sessions.publish_http_url(http.base_url)
     host_port = http.base_url.split("//")[1].split("/")[0]
     bridge = netns.UnixToTcp(tmp_path_factory.mktemp("bridge") / "gateway.sock", host_port.split(":")[0],
@@ -97,6 +97,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     host.stop()
     traj.stop(0)
     redis_srv.stop()
+
+
+def _cli(install: Any, which: tuple[str, str, str]) -> Path:
+    """The installed CLI; the test is skipped (saying why) where npm is missing or the registry
+    cannot be reached from this host, and fails on any other install error."""
+    try:
+        got = install(*which)
+    except clis.RegistryUnreachable as exc:
+        pytest.skip(str(exc))
+    if isinstance(got, tuple):
+        exe, why = got
+        if exe is None:
+            pytest.skip(why)
+        return Path(exe)
+    return Path(got)
 
 
 def _free_port() -> int:
@@ -143,9 +158,7 @@ def test_claude_code_unmodified_through_a_session_url(stack: Stack, tmp_path: Pa
     """Claude Code (npm, ``claude -p``) with ``ANTHROPIC_BASE_URL`` = a session URL: its Messages
     requests (mid-conversation system messages, thinking/context-management/effort fields, ~20 tools,
     streaming) are served, its reply printed, and its call recorded under the lease's execution."""
-    exe, why = clis.npm_cli(*clis.CLAUDE_CODE)
-    if exe is None:
-        pytest.skip(why)
+    exe = _cli(clis.npm_cli, clis.CLAUDE_CODE)
     env = {"ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": SERVED, "ANTHROPIC_SMALL_FAST_MODEL": SERVED,
            "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
@@ -162,9 +175,7 @@ def test_codex_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) ->
     ``wire_api = "responses"``: its Responses requests (developer messages, function tools, a
     namespace of tools, the hosted web_search tool, reasoning/include/client_metadata fields,
     streaming) are served, its reply printed, and its call recorded under the lease's execution."""
-    exe, why = clis.npm_cli(*clis.CODEX)
-    if exe is None:
-        pytest.skip(why)
+    exe = _cli(clis.npm_cli, clis.CODEX)
     codex_home = tmp_path / "codex-home"
     codex_home.mkdir()
     env = {"CODEX_HOME": str(codex_home), "OPENAI_API_KEY": "unused"}
@@ -186,7 +197,7 @@ def test_mini_swe_agent_unmodified_through_a_session_url(stack: Stack, tmp_path:
     as its model's ``api_base``: two steps. The built-in model writes no bash tool call, and
     mini-swe-agent then sends its format-error message *without* the reply it rejected, so the
     second call is a sibling of the first under their shared prompt: two paths, the prefix once."""
-    exe = clis.pip_cli(*clis.MINI_SWE_AGENT)
+    exe = _cli(clis.pip_cli, clis.MINI_SWE_AGENT)
     env = {"OPENAI_API_KEY": "unused", "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1",
            "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     trajectory = tmp_path / "trajectory.json"

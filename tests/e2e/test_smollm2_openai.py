@@ -34,7 +34,7 @@ from services.rollout.config import EngineConfig, GatewayConfig
 from services.rollout.engine import SamplingParams
 from services.rollout.host import EngineHost
 from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
-from services.rollout.http_server import OpenAIServer
+from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
 from services.rollout.servicer import EngineServicer
 from services.rollout.tito import TitoForwarder
@@ -56,7 +56,7 @@ class Stack:
     engine: Any  # TorchEngine
     tokenizer: Any
     gateway: LocalGateway
-    http: OpenAIServer
+    http: AsyncOpenAIServer
     forwarder: TitoForwarder
     trajectory: TrajectoryClient
     redis_url: str
@@ -87,7 +87,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     sessions = Sessions(connect(redis_srv.url))  # session base URLs, minted by a scheduler on this Redis
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol",
                               sessions=sessions)
-    http = OpenAIServer(endpoint, max_body_bytes=1 << 20).start()
+    http = AsyncOpenAIServer(endpoint, max_body_bytes=1 << 20).start()
     sessions.publish_http_url(http.base_url)
     client = TrajectoryClient(traj.address)
     yield Stack(engine, tokenizer, gw, http, forwarder, client, redis_srv.url)
@@ -559,7 +559,7 @@ def test_a_template_that_rewrites_history_branches_instead_of_merging(stack: Sta
     tokenizer = _load_tokenizer(GatewayConfig(tokenizer_path=SMOLLM2))
     tokenizer.chat_template = FORGETFUL
     endpoint = OpenAIEndpoint(stack.gateway.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol")
-    http = OpenAIServer(endpoint).start()
+    http = AsyncOpenAIServer(endpoint).start()
     try:
         client = openai.OpenAI(base_url=http.base_url, api_key="unused", max_retries=0, timeout=300)
         kw: dict[str, Any] = dict(model=SERVED, max_tokens=6, temperature=0, extra_body={"return_token_ids": True},

@@ -18,7 +18,7 @@ from services.reward.client import RewardClient
 from services.reward.config import RewardConfig
 from services.reward.main import build_reward
 from services.common.redis_store import connect
-from services.rollout.http_server import OpenAIServer
+from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
 from services.scheduler.jobs import ExecState, Mode, TaskSource
 from services.scheduler.orchestrator import Orchestrator
@@ -67,7 +67,7 @@ def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
     sessions = Sessions(connect(redis_url))
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)), model_name="gyre",
                               sessions=sessions)
-    http = OpenAIServer(endpoint).start()
+    http = AsyncOpenAIServer(endpoint).start()
     sessions.publish_http_url(http.base_url)  # what the gateway process does at start
     with in_process_scheduler(redis_url) as sched:
         yield {"scheduler": sched, "gateway": gw, "http": http, "reward": reward.address}

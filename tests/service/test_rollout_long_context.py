@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from services.common.errors import InvalidArgument
 from services.rollout.calls import CallMeta
 from services.rollout.engine import SamplingParams
-from services.rollout.http_server import OpenAIServer
+from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
 from services.rollout.torch_engine import build_tiny_model
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
@@ -29,13 +29,13 @@ POSITIONS = 65_536
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServer, LocalGateway, LocalEngine]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncOpenAIServer, LocalGateway, LocalEngine]]:
     tok = AutoTokenizer.from_pretrained(str(make_chatml_tokenizer(tmp_path_factory.mktemp("tok"))))
     engine = start_engine("cell-long", model=build_tiny_model(max_position_embeddings=POSITIONS),
                           max_context=POSITIONS)
     gw = start_gateway()
     gw.client().register_engine("cell-long", engine.address)
-    server = OpenAIServer(OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-long", job_id="job-l"),
+    server = AsyncOpenAIServer(OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-long", job_id="job-l"),
                           max_body_bytes=4 << 20).start()
     yield server, gw, engine
     server.stop()
@@ -43,7 +43,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServ
     engine.stop()
 
 
-def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[OpenAIServer, LocalGateway, LocalEngine]) -> None:
+def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[AsyncOpenAIServer, LocalGateway, LocalEngine]) -> None:
     server, gw, engine = stack
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     rng = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def test_an_execution_grows_past_32k_tokens_over_http(stack: tuple[OpenAIServer,
 
 
 def test_a_prompt_beyond_the_positions_is_refused_naming_the_limit(
-        stack: tuple[OpenAIServer, LocalGateway, LocalEngine]) -> None:
+        stack: tuple[AsyncOpenAIServer, LocalGateway, LocalEngine]) -> None:
     server, gw, _ = stack
     too_long = [7] * (POSITIONS + 10)
     request = urllib.request.Request(f"{server.base_url}/completions", method="POST",

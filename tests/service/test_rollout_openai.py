@@ -1,4 +1,5 @@
-"""The gateway's OpenAI-compatible endpoint, driven by the official ``openai`` client."""
+"""The gateway's OpenAI-compatible endpoint, driven by the official ``openai`` client: the shared
+stack runs the default (asyncio) server; the limits, TLS and credentials tests run both servers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.http_server import OpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
 from services.trajectory.records import Role
@@ -25,32 +27,34 @@ from tests.support.rollout_tokenizer import make_chatml_tokenizer
 
 torch.set_num_threads(1)
 HEADERS = {"x-gyre-execution-id": "ex-chat", "x-gyre-agent-id": "main"}
+Server = AsyncOpenAIServer | OpenAIServer
+SERVERS = pytest.mark.parametrize("server_cls", [AsyncOpenAIServer, OpenAIServer], ids=["async", "threads"])
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OpenAIServer, LocalGateway, Any]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, LocalGateway, Any]]:
     tok = AutoTokenizer.from_pretrained(str(make_chatml_tokenizer(tmp_path_factory.mktemp("tok"))))
     engine: LocalEngine = start_engine("cell-a")
     gw = start_gateway()
     gw.client().register_engine("cell-a", engine.address)
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny", job_id="job-o")
-    server = OpenAIServer(endpoint, max_body_bytes=1 << 20).start()
+    server = AsyncOpenAIServer(endpoint, max_body_bytes=1 << 20).start()
     yield server, gw, tok
     server.stop()
     gw.stop()
     engine.stop()
 
 
-def oai(server: OpenAIServer) -> openai.OpenAI:
+def oai(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
-def test_models_lists_the_served_model(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+def test_models_lists_the_served_model(stack: tuple[Server, LocalGateway, Any]) -> None:
     server, _, _ = stack
     assert [m.id for m in oai(server).models.list()] == ["gyre-tiny"]
 
 
-def test_chat_turns_keep_the_exact_ids_of_earlier_turns(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+def test_chat_turns_keep_the_exact_ids_of_earlier_turns(stack: tuple[Server, LocalGateway, Any]) -> None:
     server, gw, tok = stack
     client = oai(server)
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."},
@@ -79,7 +83,7 @@ def test_chat_turns_keep_the_exact_ids_of_earlier_turns(stack: tuple[OpenAIServe
     np.testing.assert_array_equal(recs[0].output_ids, g1["output_ids"])
 
 
-def test_chat_stream_yields_the_same_text(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+def test_chat_stream_yields_the_same_text(stack: tuple[Server, LocalGateway, Any]) -> None:
     server, gw, _ = stack
     client = oai(server)
     messages = [{"role": "user", "content": "List three prime numbers."}]
@@ -94,7 +98,7 @@ def test_chat_stream_yields_the_same_text(stack: tuple[OpenAIServer, LocalGatewa
     assert rec.role == Role.SUBAGENT and len(rec.output_ids) == 16
 
 
-def test_completions_with_ids_and_text(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+def test_completions_with_ids_and_text(stack: tuple[Server, LocalGateway, Any]) -> None:
     server, _, tok = stack
     client = oai(server)
     by_ids = client.completions.create(model="gyre-tiny", prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
@@ -112,7 +116,7 @@ def test_completions_with_ids_and_text(stack: tuple[OpenAIServer, LocalGateway, 
     assert g2["prompt_ids"][:len(g1["prompt_ids"]) + 6] == g1["prompt_ids"] + g1["output_ids"]
 
 
-def raw(server: OpenAIServer, path: str, body: bytes | None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+def raw(server: Server, path: str, body: bytes | None, method: str = "POST") -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
@@ -122,7 +126,7 @@ def raw(server: OpenAIServer, path: str, body: bytes | None, method: str = "POST
         return err.code, json.loads(err.read())
 
 
-def test_bad_requests_get_openai_style_errors(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+def test_bad_requests_get_openai_style_errors(stack: tuple[Server, LocalGateway, Any]) -> None:
     server, _, _ = stack
     client = oai(server)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -151,12 +155,14 @@ def test_bad_requests_get_openai_style_errors(stack: tuple[OpenAIServer, LocalGa
     assert status == 400 and "context" in body["error"]["message"]
 
 
-def test_idle_connections_are_closed_and_too_many_are_refused(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+@SERVERS
+def test_idle_connections_are_closed_and_too_many_are_refused(stack: tuple[Server, LocalGateway, Any],
+                                                              server_cls: type[Server]) -> None:
     import socket
 
     _, gw, tok = stack
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny")
-    server = OpenAIServer(endpoint, idle_timeout_s=0.5, max_connections=2).start()
+    server = server_cls(endpoint, idle_timeout_s=0.5, max_connections=2).start()
     try:
         idle = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(2)]
         idle[0].sendall(b"GET /v1/mod")  # a request that never completes (a slow client)
@@ -175,14 +181,16 @@ def test_idle_connections_are_closed_and_too_many_are_refused(stack: tuple[OpenA
         server.stop()
 
 
-def test_the_endpoint_serves_tls(stack: tuple[OpenAIServer, LocalGateway, Any], tmp_path: Any) -> None:
+@SERVERS
+def test_the_endpoint_serves_tls(stack: tuple[Server, LocalGateway, Any], tmp_path: Any,
+                                 server_cls: type[Server]) -> None:
     from tests.support.pki import make_pki
 
     _, gw, tok = stack
     pki = make_pki(tmp_path / "pki")
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny")
-    server = OpenAIServer(endpoint, host="127.0.0.1", tls_cert_file=str(pki / "node.pem"),
-                          tls_key_file=str(pki / "node.key")).start()
+    server = server_cls(endpoint, host="127.0.0.1", tls_cert_file=str(pki / "node.pem"),
+                        tls_key_file=str(pki / "node.key")).start()
     try:
         assert server.base_url.startswith("https://")
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
@@ -198,7 +206,9 @@ def test_the_endpoint_serves_tls(stack: tuple[OpenAIServer, LocalGateway, Any], 
         server.stop()
 
 
-def test_per_role_tokens_admit_harnesses_only(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+@SERVERS
+def test_per_role_tokens_admit_harnesses_only(stack: tuple[Server, LocalGateway, Any],
+                                              server_cls: type[Server]) -> None:
     """With per-role tokens the endpoint admits harness (and internal) credentials; an operator's
     valid credential gets 403, an unknown one 401, each in the API's own error shape."""
     import anthropic
@@ -207,7 +217,7 @@ def test_per_role_tokens_admit_harnesses_only(stack: tuple[OpenAIServer, LocalGa
     tokens = (("harness", "harness-token-0123456789"), ("operator", "operator-token-0123456789"),
               ("internal", "internal-token-0123456789"))
     endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tok, model_name="gyre-tiny")
-    server = OpenAIServer(endpoint, tokens=tokens).start()
+    server = server_cls(endpoint, tokens=tokens).start()
     try:
         def client(key: str) -> openai.OpenAI:
             return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=60)
@@ -250,7 +260,7 @@ bodies = st.fixed_dictionaries({}, optional={
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(route=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/completions"]),
        body=st.one_of(bodies, json_values))
-def test_fuzzed_requests_get_a_clear_answer_and_write_nothing_half(stack: tuple[OpenAIServer, LocalGateway, Any],
+def test_fuzzed_requests_get_a_clear_answer_and_write_nothing_half(stack: tuple[Server, LocalGateway, Any],
                                                                    route: str, body: Any) -> None:
     server, gw, _ = stack
     if isinstance(body, dict):
@@ -273,7 +283,7 @@ def test_fuzzed_requests_get_a_clear_answer_and_write_nothing_half(stack: tuple[
         assert len(rec.output_ids) == len(rec.output_logprobs) and len(rec.prompt_ids) > 0
 
 
-def test_a_burst_of_connections_is_served_not_reset(stack: tuple[OpenAIServer, LocalGateway, Any]) -> None:
+def test_a_burst_of_connections_is_served_not_reset(stack: tuple[Server, LocalGateway, Any]) -> None:
     import threading
 
     server, _, _ = stack
