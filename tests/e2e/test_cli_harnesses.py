@@ -136,8 +136,8 @@ def _run(stack: Stack, argv: Any, env: dict[str, str], cwd: Path) -> tuple[subpr
 def _check_records(stack: Stack, lease: Any, job_id: str) -> None:
     assert stack.forwarder.flush(timeout_s=60)
     stats = stack.trajectory.execution_stats(lease.execution_id, job_id=job_id)
-    assert stats.num_calls >= 1 and stats.paths == 1 and stats.trainable_tokens > 0
-    assert stats.unique_tokens > 5_000  # its system prompt and tool definitions reached the model
+    assert stats.num_calls >= 1 and stats.paths == 1 and stats.trainable_tokens > 0, stats
+    assert stats.unique_tokens > 5_000, stats  # its system prompt and tool definitions reached the model
 
 
 @contextmanager
@@ -166,7 +166,8 @@ def test_claude_code_unmodified_through_a_session_url(stack: Stack, tmp_path: Pa
         proc, connections = _run(stack, lambda port: ["env", f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}/s/{token}",
                                                       str(exe), "-p", "List the files here.", "--max-turns", "1"],
                                  env, tmp_path)
-        assert proc.stdout.strip() and "API Error" not in proc.stdout and connections >= 1
+        assert proc.stdout.strip() and "API Error" not in proc.stdout and connections >= 1, (
+            connections, proc.stdout[-2000:], proc.stderr[-2000:])
         _check_records(stack, lease, "claude-job")
 
 
@@ -188,7 +189,7 @@ def test_codex_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) ->
 
     with _session(stack, "codex-job") as (lease, token):
         proc, connections = _run(stack, lambda port: argv(port, token), env, tmp_path)
-        assert proc.stdout.strip() and connections >= 1
+        assert proc.stdout.strip() and connections >= 1, (connections, proc.stdout[-2000:], proc.stderr[-2000:])
         _check_records(stack, lease, "codex-job")
 
 
