@@ -207,7 +207,7 @@ def constrain_rows(logits: torch.Tensor, constraints: Sequence[Constraint | None
     idx = torch.tensor(rows, device=logits.device)
     temp = temperature[idx].float()
     scale = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-    raw = logits[idx].clone()
+    raw = logits[idx]  # a gather: a copy of the rows before masking
     before = torch.logsumexp(raw.float() / scale, dim=-1)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
     masked = logits[idx].float()

@@ -26,6 +26,7 @@ re-serialized), so the conversation extends the recorded token ids and stays one
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -110,20 +111,27 @@ def _forced_grammar(choice: ToolChoice, tools: Sequence[dict[str, Any]], name_ta
     ``close``; required, one tool's name, ``name_tail``, its arguments and ``close``."""
     if choice.mode not in ("named", "required"):
         return None
-    from services.rollout.grammar import GrammarSpec, tool_call_ebnf, union_ebnf
+    from services.rollout.grammar import GrammarSpec
 
-    def schema(tool: dict[str, Any]) -> Any:
-        return tool.get("parameters") or {"type": "object"}
-
+    named = [t for t in tools if t["name"] == choice.name] if choice.mode == "named" else list(tools)
+    specs = json.dumps([[t["name"], t.get("parameters") or {"type": "object"}] for t in named], sort_keys=True)
     try:
-        if choice.mode == "named":
-            (tool,) = [t for t in tools if t["name"] == choice.name]
-            return GrammarSpec("ebnf", tool_call_ebnf("", schema(tool), close))
-        return GrammarSpec("ebnf", union_ebnf([tool_call_ebnf(t["name"] + name_tail, schema(t), close)
-                                               for t in tools]))
+        return GrammarSpec("ebnf", _forced_ebnf(specs, choice.mode == "named", name_tail, close))
     except Exception as exc:  # deliberate: xgrammar's schema converter raises several error types
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InvalidArgument(f"a tool's 'parameters' is not a JSON schema the gateway can enforce: {first}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _forced_ebnf(specs: str, named: bool, name_tail: str, close: str) -> str:
+    """EBNF of ``_forced_grammar`` from its tools' ``[name, schema]`` (as JSON: a harness sends the
+    same tools every turn, so each set is converted once)."""
+    from services.rollout.grammar import tool_call_ebnf, union_ebnf
+
+    tools = json.loads(specs)
+    if named:
+        return tool_call_ebnf("", tools[0][1], close)
+    return union_ebnf([tool_call_ebnf(name + name_tail, schema, close) for name, schema in tools])
 
 
 class HermesFormat:

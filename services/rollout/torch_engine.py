@@ -710,7 +710,7 @@ class TorchEngine(InferenceEngine):
         logits = out.logits[:, -1]
         masked = None
         if r.constraint is not None:
-            logits = logits.float().clone()
+            logits = logits.to(torch.float32, copy=True)
             masked = constrain_rows(logits, [r.constraint], temperature)
         tok, lp = sample_tokens(
             logits, temperature,
@@ -826,7 +826,7 @@ class TorchEngine(InferenceEngine):
         logits = self._decode_logits(last)
         masked = None
         if b["constrained"]:  # mask what the rows' grammars forbid (a copy: logits may be a graph's buffer)
-            logits = logits.float().clone()
+            logits = logits.to(torch.float32, copy=True)
             masked = constrain_rows(logits, [r.constraint for r in rs], b["temperature"])
         u = torch.from_numpy(counter_uniforms(b["seeds"], n_gen.astype(np.uint64))).to(self.device)
         tok_t, lp_t = sample_tokens(logits, b["temperature"], b["top_p"], b["top_k"], u)

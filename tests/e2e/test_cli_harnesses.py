@@ -23,23 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from protos.gyre.v1 import rollout_pb2_grpc
-from services.common.redis_store import connect
-from services.common.server import GyreServer, build_server
-from services.rollout.config import EngineConfig, GatewayConfig
-from services.rollout.host import EngineHost
 from services.rollout.http_async import AsyncOpenAIServer
-from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
-from services.rollout.openai_http import OpenAIEndpoint
-from services.rollout.servicer import EngineServicer
 from services.rollout.tito import TitoForwarder
-from services.scheduler.sessions import Sessions
 from services.trajectory.client import TrajectoryClient
-from services.trajectory.config import TrajectoryConfig
-from services.trajectory.main import build_trajectory
 from tests.support import clis, netns
-from tests.support.redis_server import RedisServer
-from tests.support.rollout_cluster import LocalGateway, start_gateway
+from tests.support.http_stack import http_stack
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -60,58 +48,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     why = netns.netns_available()
     if why:
         pytest.skip(why)
-    redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    traj: GyreServer
-    traj, _ = build_trajectory(TrajectoryConfig(redis_url=redis_srv.url, port=0,
-                                                spool_dir=str(tmp_path_factory.mktemp("spool"))))
-    traj.start()
-    traj.set_serving(True)
-    engine = _load_engine(EngineConfig(model="builtin-tiny", device="cpu", torch_threads=1, max_batch_size=8))
-    host = EngineHost(engine, cell_id="cell-cli", kv_kinds=("tcp",))
-    engine_server = build_server("engine-cli", [(rollout_pb2_grpc.add_EngineServicer_to_server,
-                                                 EngineServicer(host, attach_wait_s=20.0))],
-                                 service_names=["gyre.v1.Engine"], max_workers=32)
-    host.address = engine_server.address
-    host.start()
-    engine_server.start()
-    engine_server.set_serving(True)
-    forwarder = TitoForwarder(_tito_sink(GatewayConfig(trajectory_address=traj.address))).start()
-    gw: LocalGateway = start_gateway(on_record=forwarder.submit)
-    gw.client().register_engine("cell-cli", engine_server.address)
-    sessions = Sessions(connect(redis_srv.url))
-    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=_load_tokenizer(GatewayConfig(tokenizer_path="builtin-tiny")),
-                              model_name=SERVED, job_id="job-cli", sessions=sessions)
-    http = AsyncOpenAIServer(endpoint, max_body_bytes=16 << 20).start()
-    sessions.publish_http_url(http.base_url)
-    host_port = http.base_url.split("//")[1].split("/")[0]
-    bridge = netns.UnixToTcp(tmp_path_factory.mktemp("bridge") / "gateway.sock", host_port.split(":")[0],
-                             int(host_port.split(":")[1]))
-    client = TrajectoryClient(traj.address)
-    yield Stack(http, forwarder, client, redis_srv.url, bridge)
-    bridge.close()
-    client.close()
-    http.stop()
-    gw.stop()
-    forwarder.stop(timeout_s=10)
-    engine_server.stop(0)
-    host.stop()
-    traj.stop(0)
-    redis_srv.stop()
+    with http_stack(tmp_path_factory, model="builtin-tiny", served=SERVED, job_id="job-cli",
+                    max_body_bytes=16 << 20, max_batch_size=8) as s:
+        host, port = s.http.base_url.split("//")[1].split("/")[0].split(":")
+        bridge = netns.UnixToTcp(tmp_path_factory.mktemp("bridge") / "gateway.sock", host, int(port))
+        try:
+            yield Stack(s.http, s.forwarder, s.trajectory, s.redis_url, bridge)
+        finally:
+            bridge.close()
 
 
 def _cli(install: Any, which: tuple[str, str, str]) -> Path:
     """The installed CLI; the test is skipped (saying why) where npm is missing or the registry
     cannot be reached from this host, and fails on any other install error."""
     try:
-        got = install(*which)
-    except clis.RegistryUnreachable as exc:
+        return Path(install(*which))
+    except clis.CliUnavailable as exc:
         pytest.skip(str(exc))
-    if isinstance(got, tuple):
-        exe, why = got
-        if exe is None:
-            pytest.skip(why)
-        return Path(exe)
-    return Path(got)
 
 
 def _free_port() -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,81 +23,30 @@ import openai
 import pytest
 import torch
 
-from protos.gyre.v1 import rollout_pb2_grpc
-from services.common.redis_store import connect
-from services.common.server import GyreServer, build_server
 from services.models.source import DEFAULT_CACHE, SMOLLM2
 from services.rollout.calls import CallMeta
 from services.rollout.client import GatewayClient
-from services.rollout.config import EngineConfig, GatewayConfig
+from services.rollout.config import GatewayConfig
 from services.rollout.engine import SamplingParams
-from services.rollout.host import EngineHost
-from services.rollout.main import _load_engine, _load_tokenizer, _tito_sink
+from services.rollout.main import _load_tokenizer
 from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
-from services.rollout.servicer import EngineServicer
-from services.rollout.tito import TitoForwarder
-from services.scheduler.sessions import Sessions
 from services.task import arith
 from services.task.harness import GatewayModelClient
-from services.trajectory.client import TrajectoryClient
-from services.trajectory.config import TrajectoryConfig
-from services.trajectory.main import build_trajectory
-from tests.support.redis_server import RedisServer
-from tests.support.rollout_cluster import LocalGateway, start_gateway
+from tests.support.http_stack import HttpStack, http_stack
 
 torch.set_num_threads(1)
 SERVED = "smollm2-135m-instruct"
 
 
-@dataclass
-class Stack:
-    engine: Any  # TorchEngine
-    tokenizer: Any
-    gateway: LocalGateway
-    http: AsyncOpenAIServer
-    forwarder: TitoForwarder
-    trajectory: TrajectoryClient
-    redis_url: str
+Stack = HttpStack
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    redis_srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    traj: GyreServer
-    traj, _ = build_trajectory(TrajectoryConfig(redis_url=redis_srv.url, port=0,
-                                                spool_dir=str(tmp_path_factory.mktemp("spool"))))
-    traj.start()
-    traj.set_serving(True)
-    engine = _load_engine(EngineConfig(model=SMOLLM2, device="cpu", torch_threads=1, max_context_tokens=2048,
-                                       max_batch_size=8))
-    host = EngineHost(engine, cell_id="cell-smol", kv_kinds=("tcp",))
-    engine_server = build_server("engine-smol", [(rollout_pb2_grpc.add_EngineServicer_to_server,
-                                                  EngineServicer(host, attach_wait_s=20.0))],
-                                 service_names=["gyre.v1.Engine"], max_workers=64)
-    host.address = engine_server.address
-    host.start()
-    engine_server.start()
-    engine_server.set_serving(True)
-    forwarder = TitoForwarder(_tito_sink(GatewayConfig(trajectory_address=traj.address))).start()
-    gw = start_gateway(on_record=forwarder.submit)
-    gw.client().register_engine("cell-smol", engine_server.address)
-    tokenizer = _load_tokenizer(GatewayConfig(tokenizer_path=SMOLLM2))
-    sessions = Sessions(connect(redis_srv.url))  # session base URLs, minted by a scheduler on this Redis
-    endpoint = OpenAIEndpoint(gw.gateway, tokenizer=tokenizer, model_name=SERVED, job_id="job-smol",
-                              sessions=sessions)
-    http = AsyncOpenAIServer(endpoint, max_body_bytes=1 << 20).start()
-    sessions.publish_http_url(http.base_url)
-    client = TrajectoryClient(traj.address)
-    yield Stack(engine, tokenizer, gw, http, forwarder, client, redis_srv.url)
-    client.close()
-    http.stop()
-    gw.stop()
-    forwarder.stop(timeout_s=10)
-    engine_server.stop(0)
-    host.stop()
-    traj.stop(0)
-    redis_srv.stop()
+    with http_stack(tmp_path_factory, model=SMOLLM2, served=SERVED, job_id="job-smol", max_body_bytes=1 << 20,
+                    max_context_tokens=2048, max_batch_size=8) as s:
+        yield s
 
 
 def test_openai_multi_turn_chat_is_one_trajectory_path(stack: Stack) -> None:

@@ -1,8 +1,8 @@
 """Third-party coding CLIs from their registries, pinned, installed once per checkout.
 
 ``npm_cli(package, version, binary)`` installs ``package@version`` under ``.gyre/clis/`` (a file
-lock guards concurrent test processes) and returns the path of its ``binary``; ``None`` with the
-reason when npm is not installed here. ``pip_cli`` does the same for a PyPI package, in a virtual
+lock guards concurrent test processes) and returns the path of its ``binary``; ``CliUnavailable``
+says why not when npm is not installed here or the registry cannot be reached. ``pip_cli`` does the same for a PyPI package, in a virtual
 environment of its own (its dependencies, e.g. litellm's openai, never touch Gyre's).
 """
 
@@ -28,8 +28,9 @@ UNREACHABLE = ("ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESE
                "Temporary failure in name resolution", "Failed to establish a new connection", "No route to host")
 
 
-class RegistryUnreachable(RuntimeError):
-    """The package registry could not be reached (not a failure of the package or of Gyre)."""
+class CliUnavailable(RuntimeError):
+    """This host cannot install the CLI (no npm, or the registry is unreachable): not a failure of
+    the package or of Gyre."""
 
 
 def _install_once(where: Path, exe: Path, install: Callable[[], subprocess.CompletedProcess], what: str) -> Path:
@@ -41,21 +42,21 @@ def _install_once(where: Path, exe: Path, install: Callable[[], subprocess.Compl
             if proc.returncode != 0 or not exe.exists():
                 shutil.rmtree(where / "node_modules", ignore_errors=True)
                 if any(s in proc.stderr + proc.stdout for s in UNREACHABLE):
-                    raise RegistryUnreachable(f"installing {what}: the registry is unreachable from here")
+                    raise CliUnavailable(f"installing {what}: the registry is unreachable from here")
                 raise RuntimeError(f"installing {what} failed: {proc.stderr[-2000:]}")
             (where / ".complete").touch()
     return exe
 
 
-def npm_cli(package: str, version: str, binary: str) -> tuple[Path | None, str]:
+def npm_cli(package: str, version: str, binary: str) -> Path:
     npm = shutil.which("npm")
     if npm is None:
-        return None, "npm is not installed (the CLIs come from the npm registry)"
+        raise CliUnavailable("npm is not installed (the CLIs come from the npm registry)")
     where = CLIS / f"{package.replace('/', '+')}@{version}"
     exe = where / "node_modules" / ".bin" / binary
     return _install_once(where, exe, lambda: subprocess.run(
         [npm, "install", "--prefix", str(where), "--no-audit", "--no-fund", "--no-save", f"{package}@{version}"],
-        capture_output=True, text=True, timeout=900), f"{package}@{version}"), ""
+        capture_output=True, text=True, timeout=900), f"{package}@{version}")
 
 
 def pip_cli(package: str, version: str, binary: str) -> Path:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -43,16 +44,17 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-def _serve(listener: socket.socket, connect: object, on_accept: object = None) -> None:
+def _serve(listener: socket.socket, connect: Callable[[], socket.socket],
+           on_accept: Callable[[], None] | None = None) -> None:
     while True:
         try:
             conn, _ = listener.accept()
         except OSError:
             return
-        if callable(on_accept):
+        if on_accept is not None:
             on_accept()
         try:
-            upstream = connect()  # type: ignore[operator]
+            upstream = connect()
         except OSError:
             conn.close()
             continue

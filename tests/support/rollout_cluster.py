@@ -60,8 +60,11 @@ class LocalEngine:
 
 def start_engine(cell_id: str, *, model: torch.nn.Module | None = None, checkpoint: Path | None = None,
                  kv_kinds: tuple[str, ...] = ("tcp",), max_batch_size: int = 16,
-                 max_context: int = MAX_CONTEXT) -> LocalEngine:
-    if checkpoint is not None:
+                 max_context: int = MAX_CONTEXT, engine: TorchEngine | None = None) -> LocalEngine:
+    """An engine gRPC server: ``engine`` as given, or one built from ``checkpoint`` or ``model``."""
+    if engine is not None:
+        pass
+    elif checkpoint is not None:
         engine = TorchEngine.from_pretrained(str(checkpoint), device="cpu", max_context=max_context,
                                              max_batch_size=max_batch_size)
     else:
