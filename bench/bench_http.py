@@ -47,18 +47,27 @@ STREAMS, STREAM_TOKENS = 500, 32  # concurrent streamed chats
 CONCURRENCY, CALLS_EACH = 64, 10  # non-streaming chats: client threads x calls each
 
 
-def _at_once(sessions: int, one: Any, start: threading.Event, lat: np.ndarray, ok: np.ndarray) -> dict[str, float]:
-    """Run ``one(i)`` for every session in its own thread, all released at once by ``start``."""
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(sessions)]
+def _release(n: int, one: Any, start: threading.Event) -> float:
+    """Run ``one(i)`` for ``i < n``, each in its own thread, all released at once by ``start``;
+    returns the wall time until the last one ended."""
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     t0 = time.perf_counter()
     start.set()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    return {"calls_s": sessions / wall, "p50_ms": float(np.percentile(lat, 50) * 1e3),
-            "p99_ms": float(np.percentile(lat, 99) * 1e3), "ok": int(ok.sum())}
+    return time.perf_counter() - t0
+
+
+def _rates(calls: int, wall: float, lat: Any) -> dict[str, float]:
+    return {"calls_s": calls / wall, "p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "p99_ms": float(np.percentile(lat, 99) * 1e3)}
+
+
+def _at_once(sessions: int, one: Any, start: threading.Event, lat: np.ndarray, ok: np.ndarray) -> dict[str, float]:
+    """Run ``one(i)`` for every session in its own thread, all released at once by ``start``."""
+    return {**_rates(sessions, _release(sessions, one, start), lat), "ok": int(ok.sum())}
 
 
 def _http_load(port: int, sessions: int, new_tokens: int = NEW_TOKENS) -> dict[str, float]:
@@ -176,16 +185,8 @@ def _calls(port: int) -> dict[str, float]:
             ok.append(good)
         conn.close()
 
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(CONCURRENCY)]
-    for t in threads:
-        t.start()
-    t0 = time.perf_counter()
-    start.set()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"calls_s": len(lat) / wall, "p50_ms": float(np.percentile(lat, 50) * 1e3),
-            "p99_ms": float(np.percentile(lat, 99) * 1e3), "ok": sum(ok), "n": len(lat)}
+    wall = _release(CONCURRENCY, client, start)
+    return {**_rates(len(lat), wall, lat), "ok": sum(ok), "n": len(lat)}
 
 
 def _settle(pid: int, threads: int, cap_s: float = 60.0) -> tuple[float, int]:
