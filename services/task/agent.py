@@ -48,6 +48,8 @@ __all__ = [
     "ExecutionCancelled",
     "run_execution",
     "run_visible_tests",
+    "ModelCaller",
+    "TestRun",
 ]
 
 Role = Literal["main", "subagent", "summary"]
@@ -194,6 +196,57 @@ class _Context:
         self.ids = np.concatenate([self.ids, ids.astype(np.int32, copy=False)])
 
 
+class ModelCaller:
+    """One execution's model calls: ids, seeds, the deadline and cancellation, the counters.
+
+    Shared by the word-level agent below and the tool-calling agent (services.task.tool_agent)."""
+
+    def __init__(self, *, client: ModelClient, eos_id: int, temperature: float, job_id: str, execution_id: str,
+                 deadline_s: float, clock: Callable[[], float], cancelled: threading.Event | None,
+                 result: ExecutionResult) -> None:
+        self.client, self.eos_id, self.temperature = client, eos_id, temperature
+        self.job_id, self.execution_id = job_id, execution_id
+        self.deadline_s, self.clock, self.cancelled = deadline_s, clock, cancelled
+        self.result = result
+        self.n_calls = 0
+
+    def seed(self, call_id: str) -> int:
+        digest = hashlib.blake2b(f"{self.execution_id}/{call_id}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    def __call__(self, prompt_ids: np.ndarray, agent_id: str, role: Role, max_new_tokens: int) -> np.ndarray:
+        """The output ids of one call, always closed by the end-of-turn id; raises ExecutionTimeout
+        past the deadline and ExecutionCancelled when told to stop."""
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise ExecutionCancelled()
+        remaining = self.deadline_s - self.clock()
+        if remaining <= 0:
+            raise ExecutionTimeout()
+        self.n_calls += 1
+        agent_id = "summarizer" if role == "summary" else agent_id
+        call_id = f"{agent_id}/{self.n_calls}"
+        context = CallContext(
+            job_id=self.job_id, execution_id=self.execution_id, call_id=call_id, agent_id=agent_id, role=role
+        )
+        sampling = Sampling(
+            temperature=self.temperature,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=(self.eos_id,),
+            seed=self.seed(call_id),
+        )
+        gen = self.client.generate(context, prompt_ids, sampling, timeout_s=remaining)
+        self.result.calls[role] += 1
+        self.result.prompt_tokens += len(prompt_ids)
+        self.result.output_tokens += len(gen.output_ids)
+        out = np.asarray(gen.output_ids, dtype=np.int32)
+        # A cut-off generation still has to close its turn so the next segment starts cleanly.
+        if len(out) == 0 or out[-1] != self.eos_id:
+            out = np.concatenate([out, np.asarray([self.eos_id], dtype=np.int32)])
+        if self.clock() > self.deadline_s:
+            raise ExecutionTimeout()
+        return out
+
+
 class _Execution:
     def __init__(
         self,
@@ -209,49 +262,18 @@ class _Execution:
         on_progress: Callable[[dict[str, bytes]], None] | None,
         cancelled: threading.Event | None,
     ) -> None:
-        self.task, self.client, self.codec, self.cfg = task, client, codec, config
-        self.job_id, self.execution_id = job_id, execution_id
-        self.deadline_s, self.clock = deadline_s, clock
-        self.on_progress, self.cancelled = on_progress, cancelled
+        self.task, self.codec, self.cfg = task, codec, config
+        self.on_progress = on_progress
         self.codes: dict[str, str] = {}
         self.best: dict[str, int] = {}
         self.result = ExecutionResult(status="finished", files={})
-        self.n_calls = 0
+        self.caller = ModelCaller(client=client, eos_id=codec.eos_id, temperature=config.temperature, job_id=job_id,
+                                  execution_id=execution_id, deadline_s=deadline_s, clock=clock, cancelled=cancelled,
+                                  result=self.result)
 
     # ---- model calls ------------------------------------------------------------------------
-    def _seed(self, call_id: str) -> int:
-        digest = hashlib.blake2b(f"{self.execution_id}/{call_id}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 1
-
     def _call(self, ctx: _Context, role: Role, max_new_tokens: int) -> np.ndarray:
-        if self.cancelled is not None and self.cancelled.is_set():
-            raise ExecutionCancelled()
-        remaining = self.deadline_s - self.clock()
-        if remaining <= 0:
-            raise ExecutionTimeout()
-        self.n_calls += 1
-        agent_id = "summarizer" if role == "summary" else ctx.agent_id
-        call_id = f"{agent_id}/{self.n_calls}"
-        context = CallContext(
-            job_id=self.job_id, execution_id=self.execution_id, call_id=call_id, agent_id=agent_id, role=role
-        )
-        sampling = Sampling(
-            temperature=self.cfg.temperature,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=(self.codec.eos_id,),
-            seed=self._seed(call_id),
-        )
-        gen = self.client.generate(context, ctx.ids, sampling, timeout_s=remaining)
-        self.result.calls[role] += 1
-        self.result.prompt_tokens += len(ctx.ids)
-        self.result.output_tokens += len(gen.output_ids)
-        out = np.asarray(gen.output_ids, dtype=np.int32)
-        # A cut-off generation still has to close its turn so the next segment starts cleanly.
-        if len(out) == 0 or out[-1] != self.codec.eos_id:
-            out = np.concatenate([out, np.asarray([self.codec.eos_id], dtype=np.int32)])
-        if self.clock() > self.deadline_s:
-            raise ExecutionTimeout()
-        return out
+        return self.caller(ctx.ids, ctx.agent_id, role, max_new_tokens)
 
     def _make_room(self, ctx: _Context, pending_tokens: int) -> bool:
         """Compact `ctx` when the next segment and its generation would pass the limit."""

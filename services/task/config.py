@@ -35,6 +35,8 @@ class HarnessConfig:
                                              "unreachable (a restart; its lease kept meanwhile).")
     max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
     context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
+    tool_context_limit_tokens: int = setting(768, "Tool agent's context limit before compaction, tokens "
+                                                  "(xlong-tools tasks; its system turn lists the tools).")
     fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
     retries: int = setting(1, "Fresh branches from the pre-attempt context after failed fixes.")
     delegate_every: int = setting(3, "Every n-th module goes to a sub-agent (0 = never).")
@@ -55,6 +57,8 @@ class HarnessConfig:
             value = getattr(self, name)
             check(":" in value, name, value, "host:port")
         self.agent  # validates the agent knobs
+        check(self.tool_context_limit_tokens >= 256, "tool_context_limit_tokens", self.tool_context_limit_tokens,
+              ">= 256")
 
     @property
     def agent(self) -> AgentConfig:

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from services.task.agent import AgentConfig, ModelClient, run_execution
+from services.task.agent import AgentConfig, ExecutionResult, ModelClient, run_execution
 from services.task.scoring import score_workspace
 from services.task.spec import task_from_id
 from services.task.tokenizer import Codec
+from services.task.tool_agent import ToolAgentConfig, run_tool_execution
+from services.task.tool_tokenizer import ToolCodec
 
 __all__ = ["EvalReport", "evaluate"]
 
@@ -47,23 +49,33 @@ def evaluate(
     client: ModelClient,
     task_ids: Sequence[str],
     *,
-    codec: Codec | None = None,
-    config: AgentConfig | None = None,
+    codec: Codec | ToolCodec | None = None,
+    config: AgentConfig | ToolAgentConfig | None = None,
     temperature: float = 0.0,
     concurrency: int = 8,
     job_id: str = "",
     tag: str = "0",
 ) -> EvalReport:
-    """Run one execution per task and grade it with the built-in scorer (all tests)."""
+    """Run one execution per task and grade it with the built-in scorer (all tests). A `ToolCodec`
+    (a tool-calling model's tokenizer) runs the tool agent, else the word-level agent runs."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     codec = codec or Codec()
-    cfg = replace(config or AgentConfig(), temperature=temperature)
+    tools = isinstance(codec, ToolCodec)
+    cfg = replace(config or (ToolAgentConfig() if tools else AgentConfig()), temperature=temperature)
+    if tools != isinstance(cfg, ToolAgentConfig):
+        raise ValueError("a ToolCodec goes with a ToolAgentConfig, a Codec with an AgentConfig")
 
     def one(task_id: str) -> tuple[bool, float, float, bool]:
         task = task_from_id(task_id)
-        res = run_execution(task, client, codec=codec, config=cfg, job_id=job_id,
-                            execution_id=f"eval/{tag}/{task_id}")
+        res: ExecutionResult
+        if isinstance(codec, ToolCodec) and isinstance(cfg, ToolAgentConfig):
+            res = run_tool_execution(task, client, codec=codec, config=cfg, job_id=job_id,
+                                     execution_id=f"eval/{tag}/{task_id}")
+        else:
+            assert isinstance(codec, Codec) and isinstance(cfg, AgentConfig)
+            res = run_execution(task, client, codec=codec, config=cfg, job_id=job_id,
+                                execution_id=f"eval/{tag}/{task_id}")
         score = score_workspace(task, res.files)
         return score.all_passed, score.reward, score.tests_fraction, res.status == "timeout"
 

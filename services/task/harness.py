@@ -46,6 +46,8 @@ from services.task import registry
 from services.task.agent import CallContext, Generation, Sampling
 from services.task.config import HarnessConfig
 from services.task.tokenizer import Codec
+from services.task.tool_agent import ToolAgentConfig
+from services.task.tool_tokenizer import ToolCodec
 
 log = get_logger(__name__)
 
@@ -162,6 +164,7 @@ class Harness:
         self._chat_tokenizer: Any = None
         self._model_dirs: dict[str, str] = {}  # a lease's model spec -> its directory
         self._codecs: dict[str, Codec] = {}
+        self._tool_codecs: dict[str, ToolCodec] = {}
         self._chats: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()
 
@@ -262,6 +265,23 @@ class Harness:
             if path not in self._codecs:
                 self._codecs[path] = Codec.from_dir(path)
             return self._codecs[path]
+
+    def tool_codec_for(self, lease: Any) -> ToolCodec:
+        """The tool agent's tokenizer (xlong-tools tasks): the lease's model's, else model_dir's."""
+        path = self._model_dir(lease)
+        if not path:
+            raise ValueError("xlong-tools-v1 tasks need the served model's tokenizer: set --model-dir or a job model")
+        with self._tokenizer_lock:
+            if path not in self._tool_codecs:
+                self._tool_codecs[path] = ToolCodec.from_dir(path)
+            return self._tool_codecs[path]
+
+    def tool_agent_config(self, *, temperature: float) -> ToolAgentConfig:
+        """The tool agent's knobs from this harness's config."""
+        cfg = self.cfg
+        return ToolAgentConfig(context_limit_tokens=cfg.tool_context_limit_tokens, fix_turns=cfg.fix_turns,
+                               retries=cfg.retries, delegate_every=cfg.delegate_every, temperature=temperature,
+                               timeout_s=cfg.timeout_s)
 
     def chat_tokenizer_for(self, lease: Any) -> Any:
         """The chat tokenizer of the lease's model (see ``chat_tokenizer``)."""

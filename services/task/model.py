@@ -27,9 +27,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,7 +39,8 @@ from services.task.demos import DemoNoise, Demonstrations, collect_demonstration
 from services.task.spec import TaskParams
 from services.task.tokenizer import Codec, save_hf_tokenizer
 
-__all__ = ["BuiltinModelSpec", "ensure_builtin_model", "builtin_config", "warm_start", "BUILD_VERSION"]
+__all__ = ["BuiltinModelSpec", "ensure_builtin_model", "ensure_model_dir", "builtin_config", "warm_start",
+           "BUILD_VERSION"]
 
 BUILD_VERSION = "builtin-tiny-v2"
 MODEL_DIR_NAME = "builtin-tiny"
@@ -101,8 +103,53 @@ class BuiltinModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def builtin_config(spec: BuiltinModelSpec, codec: Codec) -> Any:
-    """The Qwen3Config of the built-in model (vocab padded to a multiple of 8)."""
+class ArchSpec(Protocol):
+    """The architecture fields a built-in model spec has (BuiltinModelSpec, ToolModelSpec)."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def intermediate(self) -> int: ...
+    @property
+    def max_positions(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+
+
+class CodecIds(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def bos_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+
+
+class WarmStartSpec(Protocol):
+    """The supervised pass's fields of a built-in model spec."""
+
+    @property
+    def snippet_steps(self) -> int: ...
+    @property
+    def sft_steps(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def builtin_config(spec: ArchSpec, codec: CodecIds) -> Any:
+    """The Qwen3Config of a built-in model (vocab padded to a multiple of 8)."""
     from transformers import Qwen3Config
 
     vocab = int(math.ceil(codec.vocab_size / 8) * 8)
@@ -118,7 +165,7 @@ def builtin_config(spec: BuiltinModelSpec, codec: Codec) -> Any:
         tie_word_embeddings=True,
         attention_dropout=0.0,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        bos_token_id=codec.tok.token_to_id("<bos>"),
+        bos_token_id=codec.bos_id,
         eos_token_id=codec.eos_id,
         pad_token_id=codec.pad_id,
     )
@@ -134,7 +181,7 @@ def _batches(lengths: np.ndarray, batch_size: int, steps: int, rng: np.random.Ge
     return out[:steps]
 
 
-def warm_start(model: Any, demos: Demonstrations, spec: BuiltinModelSpec, *, pad_id: int) -> list[float]:
+def warm_start(model: Any, demos: Demonstrations, spec: WarmStartSpec, *, pad_id: int) -> list[float]:
     """The supervised pass: next-token loss on generated positions only, first on step snippets
     (batches twice as large, they are short), then on whole contexts; returns the loss curve."""
     import torch
@@ -214,10 +261,16 @@ def _build(out_dir: Path, spec: BuiltinModelSpec) -> dict[str, Any]:
 def ensure_builtin_model(cache_dir: str | Path = ".gyre/models", *, spec: BuiltinModelSpec | None = None) -> Path:
     """Path of the warm-started built-in checkpoint, building it first if it is missing or stale."""
     spec = spec or BuiltinModelSpec()
+    return ensure_model_dir(cache_dir, MODEL_DIR_NAME, spec.digest(), asdict(spec), lambda out: _build(out, spec))
+
+
+def ensure_model_dir(cache_dir: str | Path, name: str, digest: str, spec: dict[str, Any],
+                     build: Callable[[Path], dict[str, Any]]) -> Path:
+    """``<cache_dir>/<name>``, built by ``build(tmp_dir)`` (which returns facts for the stamp) unless
+    its stamp already carries ``digest``; one builder at a time, the directory appears atomically."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / MODEL_DIR_NAME
-    digest = spec.digest()
+    out = cache / name
 
     def fresh() -> bool:
         try:
@@ -227,16 +280,16 @@ def ensure_builtin_model(cache_dir: str | Path = ".gyre/models", *, spec: Builti
 
     if fresh():
         return out
-    with open(cache / f"{MODEL_DIR_NAME}.lock", "w") as lock:
+    with open(cache / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if fresh():
             return out
-        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}-", dir=cache))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
         try:
-            info = _build(tmp, spec)
-            (tmp / _STAMP).write_text(json.dumps({"digest": digest, "spec": asdict(spec), **info}, indent=1, default=str))
+            info = build(tmp)
+            (tmp / _STAMP).write_text(json.dumps({"digest": digest, "spec": spec, **info}, indent=1, default=str))
             if out.exists():
-                stale = cache / f".{MODEL_DIR_NAME}-stale-{os.getpid()}"
+                stale = cache / f".{name}-stale-{os.getpid()}"
                 os.replace(out, stale)
                 shutil.rmtree(stale, ignore_errors=True)
             os.replace(tmp, out)

@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass, field
 from services.task.dsl import run_program
 
 __all__ = ["TaskParams", "ModuleSpec", "TaskSpec", "generate_task", "task_from_id", "task_ids", "task_generator",
-           "heldout_tasks", "SPLITS"]
+           "heldout_tasks", "tool_task_generator", "tool_heldout_tasks", "SPLITS", "FAMILIES"]
 
 SPLITS = ("train", "heldout")
-_ID_RE = re.compile(r"^xlong-v1/(train|heldout)/(\d{1,12})/m(\d+)\.s(\d+)-(\d+)\.c(\d+)\.t(\d+)\.h(\d+)$")
+FAMILIES = ("xlong-v1", "xlong-tools-v1")  # the word-level agent's and the tool agent's: the same tasks
+_ID_RE = re.compile(r"^(xlong-v1|xlong-tools-v1)/(train|heldout)/(\d{1,12})/m(\d+)\.s(\d+)-(\d+)\.c(\d+)\.t(\d+)\.h(\d+)$")
 _MAX_ABS_OUTPUT = 999  # keeps test values a few digit tokens long
 _INPUTS = tuple(range(0, 10))
 # Step words and their postfix lines: the value so far is on the stack, the constant goes on top.
@@ -176,8 +177,12 @@ def _gen_module(rng: random.Random, index: int, earlier: list[ModuleSpec], param
     raise RuntimeError(f"could not generate module {name} within bounds; loosen the task params")
 
 
-def generate_task(seed: int, params: TaskParams = TaskParams(), *, split: str = "train") -> TaskSpec:
-    """The task with this seed, split and knobs (deterministic)."""
+def generate_task(seed: int, params: TaskParams = TaskParams(), *, split: str = "train",
+                  family: str = "xlong-v1") -> TaskSpec:
+    """The task with this seed, split and knobs (deterministic); ``family`` only names its id (the
+    tool family's task with a seed is the word-level family's task with that seed)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
     if not 0 <= seed < 10**12:
@@ -186,7 +191,7 @@ def generate_task(seed: int, params: TaskParams = TaskParams(), *, split: str = 
     modules: list[ModuleSpec] = []
     for i in range(params.num_modules):
         modules.append(_gen_module(rng, i, modules, params))
-    task_id = f"xlong-v1/{split}/{seed}/{params.code}"
+    task_id = f"{family}/{split}/{seed}/{params.code}"
     return TaskSpec(task_id=task_id, split=split, seed=seed, params=params, modules=tuple(modules))
 
 
@@ -195,7 +200,7 @@ def task_from_id(task_id: str) -> TaskSpec:
     m = _ID_RE.match(task_id)
     if m is None:
         raise ValueError(f"not a built-in XLong task id: {task_id[:80]!r}")
-    split, seed, nm, lo, hi, call, vis, hid = m.groups()
+    family, split, seed, nm, lo, hi, call, vis, hid = m.groups()
     params = TaskParams(
         num_modules=int(nm),
         min_ops=int(lo),
@@ -204,12 +209,13 @@ def task_from_id(task_id: str) -> TaskSpec:
         visible_tests=int(vis),
         hidden_tests=int(hid),
     )
-    return generate_task(int(seed), params, split=split)
+    return generate_task(int(seed), params, split=split, family=family)
 
 
-def task_ids(n: int, *, split: str = "train", params: TaskParams = TaskParams(), start_seed: int = 0) -> list[str]:
+def task_ids(n: int, *, split: str = "train", params: TaskParams = TaskParams(), start_seed: int = 0,
+             family: str = "xlong-v1") -> list[str]:
     """Ids of `n` consecutive tasks of a split (what a job's task source hands the scheduler)."""
-    return [f"xlong-v1/{split}/{seed}/{params.code}" for seed in range(start_seed, start_seed + n)]
+    return [f"{family}/{split}/{seed}/{params.code}" for seed in range(start_seed, start_seed + n)]
 
 
 _KNOBS = ("num_modules", "min_ops", "max_ops", "call_pct", "visible_tests", "hidden_tests")
@@ -226,7 +232,7 @@ def _knobs(params: Mapping[str, str]) -> TaskParams:
         raise ValueError(f"generator 'xlong-v1' params are invalid: {exc}") from None
 
 
-def task_generator(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
+def task_generator(params: Mapping[str, str], step: int, groups: int, *, family: str = "xlong-v1") -> list[bytes]:
     """Training tasks of a job (task family ``xlong-v1``): payload ``{"task_id": ...}`` per group.
 
     Params: ``split`` (train), ``start_seed`` (0) and any `TaskParams` knob. Group ``g`` of step
@@ -237,12 +243,22 @@ def task_generator(params: Mapping[str, str], step: int, groups: int) -> list[by
         start = int(params.get("start_seed", "0")) + step * groups
     except ValueError as exc:
         raise ValueError(f"generator 'xlong-v1' params are invalid: {exc}") from None
-    ids = task_ids(groups, split=params.get("split", "train"), params=knobs, start_seed=start)
+    ids = task_ids(groups, split=params.get("split", "train"), params=knobs, start_seed=start, family=family)
     return [json.dumps({"task_id": t}).encode() for t in ids]
 
 
-def heldout_tasks(params: Mapping[str, str], n: int) -> list[bytes]:
+def heldout_tasks(params: Mapping[str, str], n: int, *, family: str = "xlong-v1") -> list[bytes]:
     """The first ``n`` held-out tasks with the job's knobs (``split`` and ``start_seed`` pick training
     tasks and are ignored here, so every evaluation of a job sees the same set)."""
-    ids = task_ids(n, split="heldout", params=_knobs(params))
+    ids = task_ids(n, split="heldout", params=_knobs(params), family=family)
     return [json.dumps({"task_id": t}).encode() for t in ids]
+
+
+def tool_task_generator(params: Mapping[str, str], step: int, groups: int) -> list[bytes]:
+    """Training tasks of family ``xlong-tools-v1`` (the tool agent's): as `task_generator`."""
+    return task_generator(params, step, groups, family="xlong-tools-v1")
+
+
+def tool_heldout_tasks(params: Mapping[str, str], n: int) -> list[bytes]:
+    """Held-out tasks of family ``xlong-tools-v1``: as `heldout_tasks`."""
+    return heldout_tasks(params, n, family="xlong-tools-v1")

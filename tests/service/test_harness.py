@@ -44,8 +44,26 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                 spec=BuiltinModelSpec(demo_tasks=40, snippet_steps=20, sft_steps=20, batch_size=16))
 
 
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.task.tool_model import ToolModelSpec, ensure_tool_model
+
+    # A short warm start: it writes well-formed calls often enough, and fails and retries often.
+    return ensure_tool_model(tmp_path_factory.mktemp("models"),
+                             spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20))
+
+
 @pytest.fixture
 def stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
+    yield from _stack(redis_url, tmp_path, model_dir)
+
+
+@pytest.fixture
+def tool_stack(redis_url: str, tmp_path: Path, tool_model_dir: Path) -> Iterator[dict]:
+    yield from _stack(redis_url, tmp_path, tool_model_dir)
+
+
+def _stack(redis_url: str, tmp_path: Path, model_dir: Path) -> Iterator[dict]:
     tcfg = TrajectoryConfig(redis_url=redis_url, spool_dir=str(tmp_path / "tspool"), port=0, log_json=False)
     traj, _ = build_trajectory(tcfg)
     traj.start()
@@ -125,3 +143,48 @@ def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: di
     assert any(out.tobytes() in r.prompt_ids.tobytes() for r in later)
     # Calls of one agent share their context prefix (delta-encoded on the wire, whole here).
     assert common_prefix_len(recs[0].prompt_ids, recs[1].prompt_ids) > 0
+
+
+def test_harness_runs_tool_executions_through_the_gateway(tool_stack: dict, tool_model_dir: Path) -> None:
+    """xlong-tools-v1: the tool agent's calls reach the engine as ChatML + <tool_call> ids, each
+    agent's prompts extend its earlier calls exactly, and reward grades the workspace."""
+    from services.rollout.client import GatewayClient
+    from services.scheduler.client import SchedulerClient
+    from services.task.tool_tokenizer import ToolCodec
+
+    sched, gw = tool_stack["scheduler"], tool_stack["gateway"]
+    spec = job_spec("tj", model=str(tool_model_dir), num_steps=1, groups_per_step=2, group_size=1,
+                    mode=Mode.COLOCATE, tasks=TaskSource(generator="xlong-tools-v1", params=(("num_modules", "3"),)))
+    sched.client.submit_job(spec)
+    orch = Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600)
+    assert orch.tick()
+    cfg = HarnessConfig(scheduler=sched.server.address, gateway=gw.address, reward=tool_stack["reward"],
+                        concurrency=2, job_id="tj", lease_wait_s=0.5, max_executions=2, tool_context_limit_tokens=600,
+                        delegate_every=2, temperature=1.0, log_json=False, model_dir=str(tool_model_dir))
+    harness = Harness(cfg, scheduler=SchedulerClient(cfg.scheduler), gateway=GatewayClient(cfg.gateway),
+                      reward=RewardClient(cfg.reward)).start()
+    wait_until(lambda: harness.done >= 2, timeout_s=300, what="2 tool executions")
+    harness.stop()
+    harness.join(30)
+    codec = ToolCodec.from_dir(tool_model_dir)
+    by_exec: dict[str, list] = defaultdict(list)
+    for rec in gw.records:
+        by_exec[rec.execution_id].append(rec)
+    assert len(by_exec) == 2
+    reward = RewardClient(tool_stack["reward"])
+    calls = 0
+    for eid, recs in by_exec.items():
+        assert sched.client.get_execution(eid).state in (ExecState.FINISHED, ExecState.TIMEOUT)
+        score = reward.get_score(eid)
+        assert score.state == "ok" and score.tests_total == 12
+        first = codec.tok.decode(recs[0].prompt_ids.tolist(), skip_special_tokens=False)
+        assert first.startswith("<|im_start|>system\nYou write GyreStack modules") and "<tools>" in first
+        assert first.endswith("next open_module m1<|im_end|>\n<|im_start|>assistant\n")
+        calls += sum("<tool_call>" in codec.decode(r.output_ids) for r in recs)
+        main = [r for r in recs if r.role == Role.MAIN]
+        for prev, cur in zip(main, main[1:]):
+            full = np.concatenate([prev.prompt_ids, prev.output_ids])
+            # the next call extends this one, or restarts from a compaction / a retry's earlier prompt
+            assert (common_prefix_len(full, cur.prompt_ids) == len(full)
+                    or common_prefix_len(recs[0].prompt_ids, cur.prompt_ids) > 0)
+    assert calls > 0

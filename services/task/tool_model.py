@@ -1,0 +1,144 @@
+"""The built-in tool-calling model: byte-level BPE, ChatML with tools, warm-started on tool calls.
+
+`ensure_tool_model(cache_dir)` returns ``<cache_dir>/builtin-tools``, a local HF checkpoint (Qwen3
+architecture, 64K positions, tokenizer with a chat template that renders tools) that every service
+loads with ``from_pretrained`` (model name ``builtin-tools``). Built once, deterministically:
+
+    1. a byte-level BPE trained on the text of tool-agent demonstrations (services.task.tool_demos,
+       first run with a bytes-only tokenizer, so the corpus does not depend on the tokenizer);
+    2. demonstrations again with that tokenizer: the tool agent (services.task.tool_agent) driven by
+       the scripted demonstrator, its calls written as ``<tool_call>{"name": ..., "arguments": ...}``;
+    3. the supervised pass of the word-level model (services.task.model.warm_start): last-turn
+       snippets first, then whole contexts, loss on generated tokens only;
+    4. save; the stamp records the spec's hash, so a changed spec rebuilds.
+
+Run ``python -m services.task.tool_model [cache_dir]`` to build it and print its held-out pass rate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from services.task.demos import DemoNoise
+from services.task.model import builtin_config, ensure_model_dir, warm_start
+from services.task.spec import TaskParams
+from services.task.tool_agent import ToolAgentConfig
+
+__all__ = ["ToolModelSpec", "ensure_tool_model", "MODEL_NAME", "TOOL_BUILD_VERSION"]
+
+TOOL_BUILD_VERSION = "builtin-tools-v1"
+MODEL_NAME = "builtin-tools"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolModelSpec:
+    """Everything that determines the tool model's checkpoint (its hash names the build)."""
+
+    layers: int = 2
+    """Transformer layers."""
+    hidden: int = 128
+    """Hidden size; head_dim = hidden / heads."""
+    heads: int = 4
+    """Attention heads."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate: int = 384
+    """MLP width."""
+    max_positions: int = 65_536
+    """Longest context the model is configured for, in tokens."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base (never wraps within ``max_positions``; see BuiltinModelSpec)."""
+    vocab_size: int = 2048
+    """Upper bound on the BPE vocabulary (the corpus may support fewer merges)."""
+    corpus_tasks: int = 100
+    """Train tasks whose demonstrations are the tokenizer's corpus."""
+    demo_tasks: int = 300
+    """Train tasks the demonstrator solves for the warm start."""
+    snippet_steps: int = 150
+    """First-phase optimizer steps on last-turn snippets."""
+    sft_steps: int = 150
+    """Second-phase optimizer steps on whole demonstrated contexts."""
+    batch_size: int = 16
+    """Sequences per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, linear warmup, cosine decay)."""
+    seed: int = 0
+    """Seeds the init, the demonstrations and the batch order."""
+    threads: int = 1
+    """torch threads during the build (fixed, so the build is reproducible)."""
+    noise: DemoNoise = field(default_factory=DemoNoise)
+    """How the demonstrator errs (sets the warm start's distance from the ceiling)."""
+    task: TaskParams = field(default_factory=TaskParams)
+    """Task knobs of the demonstration tasks."""
+    agent: ToolAgentConfig = field(default_factory=ToolAgentConfig)
+    """Tool-agent knobs of the demonstration runs."""
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {self.hidden}/{self.heads}/{self.kv_heads}.")
+        if min(self.layers, self.demo_tasks, self.corpus_tasks, self.batch_size, self.threads) < 1:
+            raise ValueError("layers, demo_tasks, corpus_tasks, batch_size and threads must be >= 1.")
+        if min(self.sft_steps, self.snippet_steps) < 0 or not 300 <= self.vocab_size <= 65_536:
+            raise ValueError("sft/snippet steps must be >= 0 and vocab_size in [300, 65536].")
+        if self.max_positions < 2 or self.rope_theta <= 1 or not 0 < self.lr < 1:
+            raise ValueError("need max_positions >= 2, rope_theta > 1 and lr in (0, 1).")
+
+    def digest(self) -> str:
+        blob = json.dumps({"version": TOOL_BUILD_VERSION, **asdict(self)}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.task.tool_demos import collect_tool_demonstrations, demo_texts
+    from services.task.tool_tokenizer import ToolCodec, save_hf_tokenizer, train_tokenizer
+
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        t0 = time.monotonic()
+        # The corpus is rendered with a bytes-only tokenizer and no context limit: whole, uncut turns.
+        boot = ToolCodec(train_tokenizer([], vocab_size=300))
+        unbounded = replace(spec.agent, context_limit_tokens=1 << 30, max_new_tokens=1024, summary_max_new_tokens=1024)
+        texts = demo_texts(boot, num_tasks=spec.corpus_tasks, params=spec.task, agent=unbounded, noise=spec.noise,
+                           seed=spec.seed + 1)
+        tok = train_tokenizer(texts, vocab_size=spec.vocab_size)
+        codec = ToolCodec(tok)
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(builtin_config(spec, codec), attn_implementation="sdpa")
+        demos = collect_tool_demonstrations(codec, num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent,
+                                            noise=spec.noise, seed=spec.seed)
+        losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+        save_hf_tokenizer(tok, out_dir, model_max_length=spec.max_positions)
+        return {
+            "vocab": codec.vocab_size,
+            "demo_sequences": len(demos.sequences),
+            "demo_snippets": len(demos.snippets),
+            "demo_tokens": int(sum(len(s) for s, _ in demos.sequences)),
+            "sft_loss_first": losses[0] if losses else None,
+            "sft_loss_last": losses[-1] if losses else None,
+            "build_s": round(time.monotonic() - t0, 1),
+        }
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def ensure_tool_model(cache_dir: str | Path = ".gyre/models", *, spec: ToolModelSpec | None = None) -> Path:
+    """Path of the warm-started tool model, building it first if it is missing or stale."""
+    spec = spec or ToolModelSpec()
+    return ensure_model_dir(cache_dir, MODEL_NAME, spec.digest(), asdict(spec), lambda out: _build(out, spec))
+
+
+if __name__ == "__main__":
+    path = ensure_tool_model(sys.argv[1] if len(sys.argv) > 1 else ".gyre/models")
+    print(path)
+    print((path / "gyre_build.json").read_text())
