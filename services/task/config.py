@@ -35,7 +35,7 @@ class HarnessConfig:
                                              "unreachable (a restart; its lease kept meanwhile).")
     max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
     context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
-    tool_context_limit_tokens: int = setting(768, "Tool agent's context limit before compaction, tokens "
+    tool_context_limit_tokens: int = setting(512, "Tool agent's context limit before compaction, tokens "
                                                   "(xlong-tools tasks; its system turn lists the tools).")
     fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
     retries: int = setting(1, "Fresh branches from the pre-attempt context after failed fixes.")

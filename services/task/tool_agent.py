@@ -56,7 +56,7 @@ SUMMARIZE = "summarize"
 class ToolAgentConfig:
     """Knobs of the tool-calling agent (with the task's knobs they set the horizon)."""
 
-    context_limit_tokens: int = 768
+    context_limit_tokens: int = 512
     """A context longer than this is compacted (summary call, then a fresh context)."""
     max_new_tokens: int = 48
     """Generation cap of a tool call (the longest well-formed one is about 30 tokens)."""
@@ -72,7 +72,7 @@ class ToolAgentConfig:
     """Sampling temperature; 0 is greedy (then retries are skipped: they would repeat themselves)."""
     timeout_s: float = 120.0
     """Wall-clock budget of one execution; past it the execution ends as `timeout`."""
-    calls_per_step: int = 4
+    calls_per_step: int = 6
     """An agent stops after this many calls per step of its modules (a model that never replies
     without a call cannot loop forever)."""
 

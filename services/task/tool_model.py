@@ -62,7 +62,7 @@ class ToolModelSpec:
     """Train tasks the demonstrator solves for the warm start."""
     snippet_steps: int = 150
     """First-phase optimizer steps on last-turn snippets."""
-    sft_steps: int = 150
+    sft_steps: int = 300
     """Second-phase optimizer steps on whole demonstrated contexts."""
     batch_size: int = 16
     """Sequences per optimizer step."""
