@@ -3,6 +3,7 @@
     gyre run [--job deploy/config/job.toml] [--config deploy/config/run.toml] [--<job field> value ...]
     gyre run --mode colocate --num-steps 4 --algorithm.learning-rate 3e-4
     gyre run --model smollm2-135m-instruct --task arith     (job-arith.toml + run-arith.toml)
+    gyre run --task tools        (job-tools.toml: builtin-tools on xlong-tools-v1, the task as tool calls)
 
 It is a client of the scheduler's job API and nothing else (``run_job``)::
 
@@ -40,7 +41,8 @@ from services.supervisor import Supervisor
 DEFAULT_RUN_CONFIG = REPO / "deploy" / "config" / "run.toml"
 # Files per task family when --job / --config are not given (the job, then the stack it runs on).
 TASK_FILES = {"xlong": (DEFAULT_JOB_FILE, DEFAULT_RUN_CONFIG),
-              "arith": (REPO / "deploy" / "config" / "job-arith.toml", REPO / "deploy" / "config" / "run-arith.toml")}
+              "arith": (REPO / "deploy" / "config" / "job-arith.toml", REPO / "deploy" / "config" / "run-arith.toml"),
+              "tools": (REPO / "deploy" / "config" / "job-tools.toml", DEFAULT_RUN_CONFIG)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

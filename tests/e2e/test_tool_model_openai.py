@@ -83,3 +83,34 @@ def test_an_openai_tool_loop_on_the_built_in_task_is_one_path(stack: HttpStack, 
     stats = stack.trajectory.execution_stats("ex-tools", job_id="job-tools")
     assert stats.num_calls == 6 and stats.paths == 1
 
+
+
+def test_anthropic_sdk_forced_tool_use_is_schema_valid_and_one_path(stack: HttpStack) -> None:
+    """The official anthropic client against /v1/messages with the task's tools: tool_choice
+    ``any`` gives a tool_use whose input is valid against its schema; its tool_result goes back;
+    the two calls are one trajectory path."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=stack.http.base_url.removesuffix("/v1"), api_key="unused", max_retries=0,
+                                 default_headers={"x-gyre-execution-id": "ex-tools-anthropic",
+                                                  "x-gyre-agent-id": "main"})
+    task = generate_task(8)
+    env, scope = ToolTask(task), Scope(tuple(m.name for m in task.modules))
+    tools = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS]
+    schemas = {t["name"]: t["parameters"] for t in TOOLS}
+    messages: list[Any] = [{"role": "user", "content": task_message(task)}]
+    for _ in range(2):
+        reply = client.messages.create(model=SERVED, max_tokens=48, system=INSTRUCTIONS, messages=messages,
+                                       tools=tools, tool_choice={"type": "any"},  # type: ignore[arg-type]
+                                       extra_body={"temperature": 1.0})
+        assert reply.stop_reason == "tool_use"
+        use = [b for b in reply.content if b.type == "tool_use"]
+        assert use and use[0].name in TOOL_NAMES
+        jsonschema.validate(use[0].input, schemas[use[0].name])
+        result = env.call(use[0].name, dict(use[0].input), scope).text  # type: ignore[arg-type]
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                   "content": result}]}]
+    assert stack.forwarder.flush(timeout_s=60)
+    stats = stack.trajectory.execution_stats("ex-tools-anthropic", job_id="job-tools")
+    assert stats.num_calls == 2 and stats.paths == 1
