@@ -39,7 +39,7 @@ from services.task.demos import DemoNoise, Demonstrations, collect_demonstration
 from services.task.spec import TaskParams
 from services.task.tokenizer import Codec, save_hf_tokenizer
 
-__all__ = ["BuiltinModelSpec", "ensure_builtin_model", "ensure_model_dir", "builtin_config", "warm_start",
+__all__ = ["ModelSpecBase", "BuiltinModelSpec", "ensure_builtin_model", "ensure_model_dir", "builtin_config", "warm_start",
            "BUILD_VERSION"]
 
 BUILD_VERSION = "builtin-tiny-v2"
@@ -48,8 +48,8 @@ _STAMP = "gyre_build.json"
 
 
 @dataclass(frozen=True, kw_only=True)
-class BuiltinModelSpec:
-    """Everything that determines the built-in checkpoint (its hash names the build)."""
+class ModelSpecBase:
+    """What every built-in model spec has: the architecture, the demonstrations and the warm start."""
 
     layers: int = 2
     """Transformer layers."""
@@ -69,7 +69,8 @@ class BuiltinModelSpec:
     demo_tasks: int = 600
     """Train tasks the demonstrator solves for the warm start."""
     snippet_steps: int = 150
-    """First-phase optimizer steps on short step snippets (learns to copy constants fast)."""
+    """First-phase optimizer steps on short snippets (a call's last request and its answer: the
+    model learns to copy constants fast)."""
     sft_steps: int = 300
     """Second-phase optimizer steps on whole demonstrated contexts."""
     batch_size: int = 32
@@ -84,8 +85,6 @@ class BuiltinModelSpec:
     """How the demonstrator errs (sets the warm start's distance from the ceiling)."""
     task: TaskParams = field(default_factory=TaskParams)
     """Task knobs of the demonstration tasks."""
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    """Harness knobs of the demonstration runs (temperature > 0, so retries appear)."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.kv_heads:
@@ -98,28 +97,17 @@ class BuiltinModelSpec:
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}.")
 
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltinModelSpec(ModelSpecBase):
+    """Everything that determines the built-in checkpoint (its hash names the build)."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Harness knobs of the demonstration runs (temperature > 0, so retries appear)."""
+
     def digest(self) -> str:
         blob = json.dumps({"version": BUILD_VERSION, **asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-class ArchSpec(Protocol):
-    """The architecture fields a built-in model spec has (BuiltinModelSpec, ToolModelSpec)."""
-
-    @property
-    def layers(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def heads(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def intermediate(self) -> int: ...
-    @property
-    def max_positions(self) -> int: ...
-    @property
-    def rope_theta(self) -> float: ...
 
 
 class CodecIds(Protocol):
@@ -133,22 +121,7 @@ class CodecIds(Protocol):
     def pad_id(self) -> int: ...
 
 
-class WarmStartSpec(Protocol):
-    """The supervised pass's fields of a built-in model spec."""
-
-    @property
-    def snippet_steps(self) -> int: ...
-    @property
-    def sft_steps(self) -> int: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def lr(self) -> float: ...
-    @property
-    def seed(self) -> int: ...
-
-
-def builtin_config(spec: ArchSpec, codec: CodecIds) -> Any:
+def builtin_config(spec: ModelSpecBase, codec: CodecIds) -> Any:
     """The Qwen3Config of a built-in model (vocab padded to a multiple of 8)."""
     from transformers import Qwen3Config
 
@@ -181,7 +154,7 @@ def _batches(lengths: np.ndarray, batch_size: int, steps: int, rng: np.random.Ge
     return out[:steps]
 
 
-def warm_start(model: Any, demos: Demonstrations, spec: WarmStartSpec, *, pad_id: int) -> list[float]:
+def warm_start(model: Any, demos: Demonstrations, spec: ModelSpecBase, *, pad_id: int) -> list[float]:
     """The supervised pass: next-token loss on generated positions only, first on step snippets
     (batches twice as large, they are short), then on whole contexts; returns the loss curve."""
     import torch

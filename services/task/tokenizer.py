@@ -19,7 +19,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from services.task import prompts
 from services.task.dsl import BINARY_OPS, STACK_OPS, UNARY_OPS
 
-__all__ = ["build_tokenizer", "save_hf_tokenizer", "Codec", "CHAT_TEMPLATE"]
+__all__ = ["build_tokenizer", "save_hf_tokenizer", "TokenCodec", "Codec", "CHAT_TEMPLATE"]
 
 # Renders [{"role", "content"}] the way the harness concatenates segments; assistant turns end in <eos>.
 CHAT_TEMPLATE = (
@@ -75,21 +75,14 @@ def save_hf_tokenizer(out_dir: Path, *, model_max_length: int) -> None:
     fast.save_pretrained(str(out_dir))
 
 
-class Codec:
-    """Text <-> token id arrays for the harness (int32 numpy arrays, no re-tokenizing outputs)."""
+class TokenCodec:
+    """Text <-> int32 id arrays over a `tokenizers.Tokenizer` (only that package, no transformers);
+    outputs are never re-tokenized. Segments repeat a lot, so encodings are cached."""
 
-    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
-        self.tok = tokenizer if tokenizer is not None else build_tokenizer()
-        self.eos_id = self._id(prompts.EOS)
-        self.pad_id = self._id("<pad>")
-        self.unk_id = self._id("<unk>")
-        self.bos_id = self._id("<bos>")
-        self.vocab_size = self.tok.get_vocab_size()
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
         self._cache: dict[str, np.ndarray] = {}
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Codec:
-        return cls(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
 
     def _id(self, token: str) -> int:
         i = self.tok.token_to_id(token)
@@ -98,7 +91,7 @@ class Codec:
         return int(i)
 
     def encode(self, text: str) -> np.ndarray:
-        """Ids of `text` (special tokens included); segments repeat a lot, so they are cached."""
+        """Ids of `text` (special tokens included)."""
         hit = self._cache.get(text)
         if hit is None:
             hit = np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -108,5 +101,20 @@ class Codec:
         return hit
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
-        """Text of generated ids without special tokens (words joined by single spaces)."""
+        """Text of generated ids without special tokens."""
         return str(self.tok.decode([int(i) for i in ids], skip_special_tokens=True))
+
+
+class Codec(TokenCodec):
+    """The built-in word-level tokenizer's view for the harness (decoded words joined by single spaces)."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        super().__init__(tokenizer if tokenizer is not None else build_tokenizer())
+        self.eos_id = self._id(prompts.EOS)
+        self.pad_id = self._id("<pad>")
+        self.unk_id = self._id("<unk>")
+        self.bos_id = self._id("<bos>")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Codec:
+        return cls(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))

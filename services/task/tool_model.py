@@ -25,9 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from services.task.demos import DemoNoise
-from services.task.model import builtin_config, ensure_model_dir, warm_start
-from services.task.spec import TaskParams
+from services.task.model import ModelSpecBase, builtin_config, ensure_model_dir, warm_start
 from services.task.tool_agent import ToolAgentConfig
 
 __all__ = ["ToolModelSpec", "ensure_tool_model", "MODEL_NAME", "TOOL_BUILD_VERSION"]
@@ -37,57 +35,25 @@ MODEL_NAME = "builtin-tools"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolModelSpec:
-    """Everything that determines the tool model's checkpoint (its hash names the build)."""
+class ToolModelSpec(ModelSpecBase):
+    """Everything that determines the tool model's checkpoint (its hash names the build); the
+    architecture and warm-start fields are `ModelSpecBase`'s."""
 
-    layers: int = 2
-    """Transformer layers."""
-    hidden: int = 128
-    """Hidden size; head_dim = hidden / heads."""
-    heads: int = 4
-    """Attention heads."""
-    kv_heads: int = 2
-    """Key/value heads (grouped-query attention)."""
-    intermediate: int = 384
-    """MLP width."""
-    max_positions: int = 65_536
-    """Longest context the model is configured for, in tokens."""
-    rope_theta: float = 1_000_000.0
-    """RoPE base (never wraps within ``max_positions``; see BuiltinModelSpec)."""
+    demo_tasks: int = 300
+    """Train tasks the demonstrator solves for the warm start."""
+    batch_size: int = 16
+    """Sequences per optimizer step."""
     vocab_size: int = 2048
     """Upper bound on the BPE vocabulary (the corpus may support fewer merges)."""
     corpus_tasks: int = 100
     """Train tasks whose demonstrations are the tokenizer's corpus."""
-    demo_tasks: int = 300
-    """Train tasks the demonstrator solves for the warm start."""
-    snippet_steps: int = 150
-    """First-phase optimizer steps on last-turn snippets."""
-    sft_steps: int = 300
-    """Second-phase optimizer steps on whole demonstrated contexts."""
-    batch_size: int = 16
-    """Sequences per optimizer step."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW, linear warmup, cosine decay)."""
-    seed: int = 0
-    """Seeds the init, the demonstrations and the batch order."""
-    threads: int = 1
-    """torch threads during the build (fixed, so the build is reproducible)."""
-    noise: DemoNoise = field(default_factory=DemoNoise)
-    """How the demonstrator errs (sets the warm start's distance from the ceiling)."""
-    task: TaskParams = field(default_factory=TaskParams)
-    """Task knobs of the demonstration tasks."""
     agent: ToolAgentConfig = field(default_factory=ToolAgentConfig)
     """Tool-agent knobs of the demonstration runs."""
 
     def __post_init__(self) -> None:
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"need hidden % heads == 0 and heads % kv_heads == 0, got {self.hidden}/{self.heads}/{self.kv_heads}.")
-        if min(self.layers, self.demo_tasks, self.corpus_tasks, self.batch_size, self.threads) < 1:
-            raise ValueError("layers, demo_tasks, corpus_tasks, batch_size and threads must be >= 1.")
-        if min(self.sft_steps, self.snippet_steps) < 0 or not 300 <= self.vocab_size <= 65_536:
-            raise ValueError("sft/snippet steps must be >= 0 and vocab_size in [300, 65536].")
-        if self.max_positions < 2 or self.rope_theta <= 1 or not 0 < self.lr < 1:
-            raise ValueError("need max_positions >= 2, rope_theta > 1 and lr in (0, 1).")
+        super().__post_init__()
+        if self.corpus_tasks < 1 or not 300 <= self.vocab_size <= 65_536:
+            raise ValueError("corpus_tasks must be >= 1 and vocab_size in [300, 65536].")
 
     def digest(self) -> str:
         blob = json.dumps({"version": TOOL_BUILD_VERSION, **asdict(self)}, sort_keys=True, default=str)

@@ -28,8 +28,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from services.task.tokenizer import TokenCodec
 
 __all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "IM_START", "IM_END", "PAD", "train_tokenizer", "save_hf_tokenizer",
            "ToolCodec", "render_system", "render_turn", "tools_block"]
@@ -99,16 +100,15 @@ def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, *, model_max_length: int) -
     fast.save_pretrained(str(out_dir))
 
 
-class ToolCodec:
-    """Text <-> int32 id arrays for the tool agent (only ``tokenizers``; outputs never re-tokenized)."""
+class ToolCodec(TokenCodec):
+    """The tool model's tokenizer for the tool agent (decoded text keeps the tool-call tags and
+    drops the role tags)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
+        super().__init__(tokenizer)
         self.eos_id = self._id(IM_END)
         self.pad_id = self._id(PAD)
         self.bos_id = self.pad_id
-        self.vocab_size = tokenizer.get_vocab_size()
-        self._cache: dict[str, np.ndarray] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ToolCodec:
@@ -118,23 +118,3 @@ class ToolCodec:
             raise ValueError(f"{model_dir} is not a tool-calling model's tokenizer (no <tool_call> / {IM_END} "
                              "token); xlong-tools-v1 needs one, e.g. the model 'builtin-tools'")
         return cls(tok)
-
-    def _id(self, token: str) -> int:
-        i = self.tok.token_to_id(token)
-        if i is None:
-            raise ValueError(f"tokenizer has no {token!r} token")
-        return int(i)
-
-    def encode(self, text: str) -> np.ndarray:
-        """Ids of ``text`` (special tokens matched); repeated segments are cached."""
-        hit = self._cache.get(text)
-        if hit is None:
-            hit = np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-            hit.setflags(write=False)
-            if len(self._cache) < 65536:
-                self._cache[text] = hit
-        return hit
-
-    def decode(self, ids: np.ndarray | Sequence[int]) -> str:
-        """Text of ``ids``; the tool-call tags stay, role tags go."""
-        return str(self.tok.decode([int(i) for i in ids], skip_special_tokens=True))
