@@ -27,6 +27,7 @@ from typing import Any
 
 from services.task.model import ModelSpecBase, builtin_config, ensure_model_dir, warm_start
 from services.task.tool_agent import ToolAgentConfig
+from services.task.tool_env import INSTRUCTIONS, TOOLS
 
 __all__ = ["ToolModelSpec", "ensure_tool_model", "MODEL_NAME", "TOOL_BUILD_VERSION"]
 
@@ -56,7 +57,9 @@ class ToolModelSpec(ModelSpecBase):
             raise ValueError("corpus_tasks must be >= 1 and vocab_size in [300, 65536].")
 
     def digest(self) -> str:
-        blob = json.dumps({"version": TOOL_BUILD_VERSION, **asdict(self)}, sort_keys=True, default=str)
+        # the tools and instructions are what the model is trained to see: a change to them rebuilds it
+        blob = json.dumps({"version": TOOL_BUILD_VERSION, "tools": TOOLS, "instructions": INSTRUCTIONS,
+                           **asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
