@@ -4,6 +4,7 @@
     gyre run --mode colocate --num-steps 4 --algorithm.learning-rate 3e-4
     gyre run --model smollm2-135m-instruct --task arith     (job-arith.toml + run-arith.toml)
     gyre run --task tools        (job-tools.toml: builtin-tools on xlong-tools-v1, the task as tool calls)
+    gyre run --harness openai-agents     (the same job, each execution run by an openai-agents Agent)
 
 It is a client of the scheduler's job API and nothing else (``run_job``)::
 
@@ -35,7 +36,8 @@ from services.common.config import check, fields_doc, load_config, setting
 from services.jobwatch import JobView, follow, write_job_report
 from services.launcher import REPO, Launcher, default_specs, harness_spec
 from services.scheduler.jobfile import DEFAULT_JOB_FILE, load_job
-from services.scheduler.jobs import JobSpec
+from services.scheduler.jobs import HARNESSES, JobSpec
+from services.task.loops import LOOPS
 from services.supervisor import Supervisor
 
 DEFAULT_RUN_CONFIG = REPO / "deploy" / "config" / "run.toml"
@@ -57,11 +59,15 @@ class RunConfig:
     model_cache_dir: str = setting(".gyre/models", "Built/converted models.")
     torch_threads: int = setting(1, "Threads per engine/trainer process (2 cores: keep 1).")
     quiet: bool = setting(False, "No live progress display (plain log lines instead).")
+    harness_loop: str = setting("builtin", "Agent loop the built-in harness workers run tool-calling tasks with: builtin, "
+                                           "openai-agents or smolagents (`--harness NAME` sets it and, without --task "
+                                           "or --job, picks --task tools).")
 
     def __post_init__(self) -> None:
         check(self.engines >= 1, "engines", self.engines, "at least 1")
         check(self.harness_concurrency >= 1, "harness_concurrency", self.harness_concurrency, "at least 1")
         check(self.time_budget_s > 0, "time_budget_s", self.time_budget_s, "positive")
+        check(self.harness_loop in LOOPS, "harness_loop", self.harness_loop, " or ".join(LOOPS))
 
 
 @dataclasses.dataclass
@@ -105,7 +111,7 @@ def bring_up(launcher: Launcher, run: RunConfig, model: str, *, echo: Callable[[
     addresses = {k: v.address for k, v in up.items()}
     worker_id = f"{socket.gethostname()}:{launcher.data_dir}:harness"  # one per stack, stable across restarts
     launcher.start_workers([harness_spec(job_id=job_id, model=str(model_dir), concurrency=run.harness_concurrency,
-                                         worker_id=worker_id)],
+                                         worker_id=worker_id, extra=("--loop", run.harness_loop))],
                            addresses, env=env, echo=echo)
     return up, model_dir, env
 
@@ -248,6 +254,12 @@ def split_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str], list[str
             raise ValueError(f"{flag} needs a value")
         if name in ("job", "config", "task"):
             files[name] = args[i + 1]
+        elif name == "harness" and args[i + 1] not in HARNESSES:  # a loop the built-in workers run
+            if args[i + 1] not in LOOPS:
+                raise ValueError(f"--harness {args[i + 1]!r} is not available; expected {', '.join(LOOPS[1:])} (an "
+                                 f"agent loop run on the task's tools) or {' or '.join(HARNESSES)} (who runs the "
+                                 "job's executions)")
+            run_args += ["--harness-loop", args[i + 1]]
         elif name in RUN_FLAGS:
             run_args += args[i:i + 2]
         else:
@@ -259,7 +271,8 @@ def split_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str], list[str
 def load_run(argv: Sequence[str]) -> tuple[RunConfig, JobSpec, Path]:
     """The stack config, the job spec and the services' config file of a ``gyre run`` command line."""
     files, run_args, job_args = split_args(argv)
-    task = files.get("task", "xlong")
+    third_party = "--harness-loop" in run_args and run_args[run_args.index("--harness-loop") + 1] != "builtin"
+    task = files.get("task", "tools" if third_party and "job" not in files else "xlong")
     if task not in TASK_FILES:
         raise ValueError(f"--task {task!r} is unknown; expected {' or '.join(TASK_FILES)}")
     job_file, config = TASK_FILES[task]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.common.config import check, setting
 from services.task.agent import AgentConfig
+from services.task.loops import LOOPS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,9 @@ class HarnessConfig:
                                              "unreachable (a restart; its lease kept meanwhile).")
     max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
     context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
+    loop: str = setting("builtin", "Agent loop of tool-calling tasks (xlong-tools-v1): builtin (the tool agent, "
+                                    "with compaction, sub-agents and retries), openai-agents or smolagents (those "
+                                    "packages' own loops, unmodified, against the lease's session base URL).")
     tool_context_limit_tokens: int = setting(512, "Tool agent's context limit before compaction, tokens "
                                                   "(xlong-tools tasks; its system turn lists the tools).")
     fix_turns: int = setting(1, "Attempts after a failing test report, per module.")
@@ -57,6 +61,7 @@ class HarnessConfig:
             value = getattr(self, name)
             check(":" in value, name, value, "host:port")
         self.agent  # validates the agent knobs
+        check(self.loop in LOOPS, "loop", self.loop, " or ".join(LOOPS))
         check(self.tool_context_limit_tokens >= 256, "tool_context_limit_tokens", self.tool_context_limit_tokens,
               ">= 256")
 

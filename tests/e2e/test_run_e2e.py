@@ -128,3 +128,37 @@ def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path, monkeypatch
     assert len(back) >= 2, result.switches
     # a pool held in TRAIN would leave the next step's calls without an engine until they fail
     assert result.outcomes == {"finished": 2 * 16}, result.outcomes
+
+
+@pytest.mark.timeout(900)
+def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
+    """`gyre run --harness openai-agents`: the built-in harness workers hand each execution of the
+    tool-calling task to an unmodified openai-agents Agent (its chat-completions model, pointed at
+    the lease's session base URL; the task's tools executed on the workspace). Its calls are
+    recorded as TITO, packed and trained; reward grades the workspaces it wrote. A quickly
+    warm-started tool model stands in for builtin-tools (same code path)."""
+    import dataclasses
+
+    from services.run import load_run
+    from services.task.tool_model import ToolModelSpec, ensure_tool_model
+
+    model = ensure_tool_model(tmp_path / "models",
+                              spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20))
+    run, spec, config = load_run(["--harness", "openai-agents", "--model", str(model), "--num_steps", "1",
+                                  "--groups_per_step", "2", "--group_size", "2", "--evaluation.tasks", "2",
+                                  "--evaluation.every", "1", "--tasks.params.num_modules", "2"])
+    assert run.harness_loop == "openai-agents" and spec.tasks.generator == "xlong-tools-v1"  # --task tools implied
+    assert spec.harness == "builtin"  # the built-in workers run the executions, through that loop
+    run = dataclasses.replace(run, engines=1, harness_concurrency=4, time_budget_s=600, quiet=True,
+                              report_dir=str(tmp_path / "report"), data_dir=str(tmp_path / "data"))
+    lines: list[str] = []
+    result = run_job(run, spec, echo=lines.append, config_path=config)
+    assert result.final_state == "completed", lines
+    assert len(result.steps) == 1 and result.weight_version == 1 and result.steps[0]["tree_tokens"] > 0
+    assert [e["step"] for e in result.evals] == [0, 1]
+    ended = [json.loads(x) for x in (tmp_path / "data" / "elastic" / "logs" / "harness.log").read_text().splitlines()
+             if '"execution ended"' in x]
+    assert len(ended) == 4 + 2 * 2 and all(e["loop"] == "openai-agents" for e in ended), ended
+    assert sum(e["tool_calls"] for e in ended) > 0  # the Agent called the task's tools
+    with pytest.raises(ValueError, match="not available"):
+        load_run(["--harness", "claude-code"])

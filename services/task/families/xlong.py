@@ -27,6 +27,9 @@ def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[
     from services.task.harness import RunOutcome
     from services.task.spec import task_from_id
 
+    if harness.cfg.loop != "builtin":
+        raise ValueError(f"the {harness.cfg.loop} loop runs the tool-calling family xlong-tools-v1, not the "
+                         "word-level xlong-v1 (gyre run --task tools)")
     task = task_from_id(task_id)
     config = dataclasses.replace(harness.cfg.agent, temperature=harness.temperature(lease))
     result = run_execution(task, harness.model, codec=harness.codec_for(lease), config=config, job_id=harness.record_job(lease),

@@ -21,12 +21,24 @@ if TYPE_CHECKING:
 
 def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
         cancelled: threading.Event) -> RunOutcome:
-    """One execution: the tool agent with the served model's tokenizer."""
+    """One execution: the built-in tool agent with the served model's tokenizer, or the harness's
+    third-party loop (``loop``) against the lease's session base URL."""
     from services.task.harness import RunOutcome
     from services.task.spec import task_from_id
     from services.task.tool_agent import run_tool_execution
 
     task = task_from_id(task_id)
+    if harness.cfg.loop != "builtin":
+        from services.task.loops import run_third_party
+
+        deadline = min(lease.deadline_s, time.time() + harness.cfg.timeout_s) if lease.deadline_s else (
+            time.time() + harness.cfg.timeout_s)
+        result = run_third_party(harness.cfg.loop, task, base_url=lease.session_base_url,
+                                 temperature=harness.temperature(lease), fix_turns=harness.cfg.fix_turns,
+                                 deadline_s=deadline, on_progress=preserve, cancelled=cancelled)
+        return RunOutcome(status=result.status, error=result.error, files=result.files,
+                          log={"loop": harness.cfg.loop, "tool_calls": result.calls["tool"],
+                               "events": dict(result.events)})
     config = harness.tool_agent_config(temperature=harness.temperature(lease))
     result = run_tool_execution(task, harness.model, codec=harness.tool_codec_for(lease), config=config,
                                 job_id=harness.record_job(lease), execution_id=lease.execution_id,

@@ -1,0 +1,168 @@
+"""Third-party agent loops, unmodified, running the built-in task's tools (``gyre run --harness NAME``).
+
+The built-in harness leases an execution as always; instead of its own tool agent
+(services.task.tool_agent) it hands the task to a third-party loop configured with nothing but the
+lease's session base URL (``http://GATEWAY/s/<token>/v1``: the gateway records every call the
+loop makes as TITO under the lease's execution) and the task's tools (services.task.tool_env),
+executed on the execution's workspace:
+
+    lease ──> ToolTask(workspace) ──tools──> LOOP (openai-agents Agent / smolagents ToolCallingAgent)
+                                                  │ chat completions with tools
+                                                  v
+                                  gateway session URL ──> engines (TITO recorded) ──> trajectory
+    loop ends (final reply, turn cap, deadline) ──> workspace ──> reward (as for the built-in loop)
+
+What the loops bring is theirs: their own prompts, message formats and stopping rules; no
+compaction, sub-agents or branch retries (those are the built-in tool agent's). A tool call the
+loop makes with bad arguments gets the environment's ``error`` result, as in the built-in loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
+    from services.task.agent import ExecutionResult
+    from services.task.spec import TaskSpec
+
+__all__ = ["LOOPS", "THIRD_PARTY_LOOPS", "run_third_party"]
+
+THIRD_PARTY_LOOPS = ("openai-agents", "smolagents")
+LOOPS = ("builtin", *THIRD_PARTY_LOOPS)
+
+
+class _Tools:
+    """The task's tools on one workspace, with the execution's progress, deadline and cancellation."""
+
+    def __init__(self, task: TaskSpec, *, fix_turns: int, on_progress: Callable[[dict[str, bytes]], None] | None,
+                 cancelled: threading.Event | None, result: ExecutionResult) -> None:
+        from services.task.tool_env import Scope, ToolTask
+
+        self.env = ToolTask(task, fix_turns=fix_turns)
+        self.scope = Scope(tuple(m.name for m in task.modules))
+        self.on_progress, self.cancelled, self.result = on_progress, cancelled, result
+
+    def call(self, name: str, arguments: Any) -> str:
+        from services.task.agent import ExecutionCancelled
+
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise ExecutionCancelled()
+        self.result.calls["tool"] += 1
+        if not isinstance(arguments, dict):
+            return f"error : {name} takes a JSON object . {self.env.hint(self.scope)}"
+        res = self.env.call(name, arguments, self.scope)
+        if res.run is not None:
+            self.sync()
+            if self.on_progress is not None:
+                self.on_progress(dict(self.result.files))
+        return res.text
+
+    def sync(self) -> None:
+        self.result.files = dict(self.env.files)
+        self.result.module_passed = dict(self.env.module_passed)
+        self.result.attempts = self.env.attempts.copy()
+
+
+def _served_model(base_url: str) -> str:
+    import openai
+
+    return str(openai.OpenAI(base_url=base_url, api_key="gyre", max_retries=2).models.list().data[0].id)
+
+
+def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
+    import openai
+    from agents import Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from agents.exceptions import MaxTurnsExceeded
+
+    from services.task.tool_env import INSTRUCTIONS, TOOLS, task_message
+
+    set_tracing_disabled(True)  # nothing leaves the machine
+
+    def tool(spec: dict[str, Any]) -> FunctionTool:
+        async def invoke(_ctx: Any, args: str) -> str:
+            try:
+                arguments = json.loads(args or "{}")
+            except json.JSONDecodeError:
+                arguments = None
+            return tools.call(spec["name"], arguments)
+
+        return FunctionTool(name=spec["name"], description=spec["description"], params_json_schema=spec["parameters"],
+                            on_invoke_tool=invoke, strict_json_schema=False)
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="gyre", max_retries=3, timeout=timeout_s)
+    model = OpenAIChatCompletionsModel(model=_served_model(base_url), openai_client=client)
+    agent = Agent(name="gyre-task", instructions=INSTRUCTIONS, tools=[tool(t) for t in TOOLS], model=model,
+                  model_settings=ModelSettings(temperature=temperature, max_tokens=48))
+
+    async def run() -> str:
+        try:
+            out = await asyncio.wait_for(Runner.run(agent, task_message(tools.env.task), max_turns=max_turns),
+                                         timeout=timeout_s)
+            return "final_reply" if out.final_output is not None else "no_reply"
+        except MaxTurnsExceeded:
+            return "turn_cap"
+
+    return asyncio.run(run())
+
+
+def _smolagents(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
+    from smolagents import OpenAIServerModel, Tool, ToolCallingAgent
+
+    from services.task.tool_env import INSTRUCTIONS, TOOLS, task_message
+
+    def tool(spec: dict[str, Any]) -> Tool:
+        props = spec["parameters"]["properties"]
+        inputs = {k: {"type": "string", "description": k} for k in props}
+        name = spec["name"]
+
+        class TaskTool(Tool):
+            skip_forward_signature_validation = True
+
+            def forward(self, **kwargs: Any) -> str:
+                return tools.call(name, kwargs)
+
+        TaskTool.name, TaskTool.description, TaskTool.inputs, TaskTool.output_type = (
+            name, spec["description"], inputs, "string")
+        return TaskTool()
+
+    model = OpenAIServerModel(model_id=_served_model(base_url), api_base=base_url, api_key="gyre",
+                              temperature=temperature, max_tokens=48)
+    agent = ToolCallingAgent(tools=[tool(t) for t in TOOLS], model=model, max_steps=max_turns, verbosity_level=0)
+    agent.run(f"{INSTRUCTIONS}\n{task_message(tools.env.task)}")
+    return "turn_cap" if len(agent.memory.steps) > max_turns else "final_reply"
+
+
+def run_third_party(loop: str, task: TaskSpec, *, base_url: str, temperature: float, fix_turns: int = 1,
+                    deadline_s: float, clock: Callable[[], float] = time.time,
+                    on_progress: Callable[[dict[str, bytes]], None] | None = None,
+                    cancelled: threading.Event | None = None) -> ExecutionResult:
+    """One execution of ``task`` through ``loop`` against the session ``base_url``; ends finished
+    (the loop stopped: a final reply or its turn cap), timeout (past ``deadline_s``, on ``clock``'s
+    scale) or failed (cancelled). Errors of the model calls propagate."""
+    from services.task.agent import ExecutionCancelled, ExecutionResult
+
+    if loop not in THIRD_PARTY_LOOPS:
+        raise ValueError(f"loop {loop!r} is not a third-party loop; expected one of {', '.join(THIRD_PARTY_LOOPS)}")
+    if not base_url:
+        raise ValueError("this lease has no session base URL: the gateway's HTTP endpoint is off (http_port)")
+    result = ExecutionResult(status="finished", files={})
+    tools = _Tools(task, fix_turns=fix_turns, on_progress=on_progress, cancelled=cancelled, result=result)
+    max_turns = 6 * sum(len(m.steps) + 2 for m in task.modules)  # as the built-in tool agent's call cap
+    timeout_s = deadline_s - clock()
+    if timeout_s <= 0:
+        result.status = "timeout"
+        return result
+    run = _openai_agents if loop == "openai-agents" else _smolagents
+    try:
+        result.events[run(tools, base_url, temperature=temperature, max_turns=max_turns, timeout_s=timeout_s)] += 1
+    except (TimeoutError, asyncio.TimeoutError):
+        result.status = "timeout"
+    except ExecutionCancelled:
+        result.status, result.error = "failed", "cancelled"
+    tools.sync()
+    return result
