@@ -68,10 +68,11 @@ class _Tools:
         self.result.attempts = self.env.attempts.copy()
 
 
-def _served_model(base_url: str) -> str:
+def _served_model(base_url: str, timeout_s: float) -> str:
     import openai
 
-    return str(openai.OpenAI(base_url=base_url, api_key="gyre", max_retries=2).models.list().data[0].id)
+    with openai.OpenAI(base_url=base_url, api_key="gyre", max_retries=2, timeout=min(30.0, timeout_s)) as client:
+        return str(client.models.list().data[0].id)
 
 
 def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
@@ -94,18 +95,20 @@ def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turn
         return FunctionTool(name=spec["name"], description=spec["description"], params_json_schema=spec["parameters"],
                             on_invoke_tool=invoke, strict_json_schema=False)
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="gyre", max_retries=3, timeout=timeout_s)
-    model = OpenAIChatCompletionsModel(model=_served_model(base_url), openai_client=client)
-    agent = Agent(name="gyre-task", instructions=INSTRUCTIONS, tools=[tool(t) for t in TOOLS], model=model,
-                  model_settings=ModelSettings(temperature=temperature, max_tokens=48))
+    served = _served_model(base_url, timeout_s)
 
     async def run() -> str:
-        try:
-            out = await asyncio.wait_for(Runner.run(agent, task_message(tools.env.task), max_turns=max_turns),
-                                         timeout=timeout_s)
-            return "final_reply" if out.final_output is not None else "no_reply"
-        except MaxTurnsExceeded:
-            return "turn_cap"
+        # the client is closed before the loop ends (its connections are not left to the gateway's idle timeout)
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="gyre", max_retries=3, timeout=timeout_s) as client:
+            model = OpenAIChatCompletionsModel(model=served, openai_client=client)
+            agent = Agent(name="gyre-task", instructions=INSTRUCTIONS, tools=[tool(t) for t in TOOLS], model=model,
+                          model_settings=ModelSettings(temperature=temperature, max_tokens=48))
+            try:
+                out = await asyncio.wait_for(Runner.run(agent, task_message(tools.env.task), max_turns=max_turns),
+                                             timeout=timeout_s)
+                return "final_reply" if out.final_output is not None else "no_reply"
+            except MaxTurnsExceeded:
+                return "turn_cap"
 
     return asyncio.run(run())
 
@@ -130,10 +133,13 @@ def _smolagents(tools: _Tools, base_url: str, *, temperature: float, max_turns: 
             name, spec["description"], inputs, "string")
         return TaskTool()
 
-    model = OpenAIServerModel(model_id=_served_model(base_url), api_base=base_url, api_key="gyre",
-                              temperature=temperature, max_tokens=48)
+    model = OpenAIServerModel(model_id=_served_model(base_url, timeout_s), api_base=base_url, api_key="gyre",
+                              temperature=temperature, max_tokens=48, client_kwargs={"timeout": timeout_s})
     agent = ToolCallingAgent(tools=[tool(t) for t in TOOLS], model=model, max_steps=max_turns, verbosity_level=0)
-    agent.run(f"{INSTRUCTIONS}\n{task_message(tools.env.task)}")
+    try:
+        agent.run(f"{INSTRUCTIONS}\n{task_message(tools.env.task)}")
+    finally:
+        model.client.close()
     return "turn_cap" if len(agent.memory.steps) > max_turns else "final_reply"
 
 
