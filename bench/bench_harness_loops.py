@@ -4,7 +4,8 @@
 
 For each loop (the built-in tool agent, openai-agents, smolagents) one elastic job of the same
 size on its own live stack, model ``builtin-tools``, task family ``xlong-tools-v1``; the table
-(``bench/results/harness_loops.md``) has, per loop: held-out pass rate before and after, model
+(``bench/results/harness_loops.md``) has, per loop (and ``builtin-linear``, the built-in agent
+without compaction, sub-agents and retries: the control for the third-party loops' linear runs): held-out pass rate before and after, model
 calls and unique tokens per execution (from the steps' metrics), naive / tree tokens (the prefix
 sharing a loop's branching leaves to the tree; 1.00 = every execution one path) and wall time.
 A loop that cannot finish within ``--budget-s`` is cancelled and reported as such.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -25,18 +27,32 @@ sys.path.insert(0, str(ROOT))
 
 from services.run import load_run, run_job  # noqa: E402
 
-LOOPS = ("builtin", "openai-agents", "smolagents")
+LOOPS = ("builtin", "builtin-linear", "openai-agents", "smolagents")
+# The control: the built-in tool agent without its compaction, sub-agents and branch retries (a
+# linear conversation, as the third-party loops have), set through the harness's environment.
+LINEAR = {"GYRE_HARNESS_TOOL_CONTEXT_LIMIT_TOKENS": "1000000", "GYRE_HARNESS_DELEGATE_EVERY": "0",
+          "GYRE_HARNESS_RETRIES": "0"}
 
 
 def one(loop: str, args: argparse.Namespace, data: Path) -> dict[str, object]:
     flags = ["--task", "tools", "--num_steps", str(args.steps), "--groups_per_step", str(args.groups),
              "--group_size", str(args.group_size), "--evaluation.tasks", str(args.eval_tasks),
              "--evaluation.every", str(args.steps)]
-    run, spec, config = load_run(([] if loop == "builtin" else ["--harness", loop]) + flags)
+    run, spec, config = load_run(([] if loop.startswith("builtin") else ["--harness", loop]) + flags)
     run = dataclasses.replace(run, quiet=True, time_budget_s=args.budget_s, data_dir=str(data / loop),
                               report_dir=str(data / loop / "report"))
     t0 = time.monotonic()
-    result = run_job(run, spec, echo=lambda _m: None, config_path=config)
+    saved = {k: os.environ.get(k) for k in LINEAR}
+    if loop == "builtin-linear":
+        os.environ.update(LINEAR)  # the harness worker process inherits it
+    try:
+        result = run_job(run, spec, echo=lambda _m: None, config_path=config)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     calls = [c for s in result.steps for c in s.get("execution_calls", [])]
     tokens = [t for s in result.steps for t in s.get("execution_tokens", [])]
     naive = sum(s.get("naive_tokens", 0) for s in result.steps)
@@ -73,7 +89,8 @@ def main() -> None:
         f"`python -m bench.bench_harness_loops` on {args.steps} elastic steps of {args.groups} groups x "
         f"{args.group_size}, {args.eval_tasks} held-out tasks (greedy) before and after; 2-core machine. "
         "Calls and tokens are per training execution (means); naive / tree tokens is 1.00 when every "
-        "execution is one path.",
+        "execution is one path. `builtin-linear` is the control: the built-in tool agent without compaction, "
+        "sub-agents and branch retries, a linear conversation as the third-party loops have.",
         "",
         "| loop | job | held-out before | held-out after | model calls / execution | unique tokens / execution "
         "| naive / tree tokens | wall |",
