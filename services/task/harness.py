@@ -366,6 +366,11 @@ class Harness:
         except errors.GyreError as exc:
             reason = f"{type(exc).__name__}: {exc}"
             blog.warning("execution failed", error=reason)
+        except Exception as exc:  # noqa: BLE001 -- a fault barrier: a runner's (or a third-party loop's) own
+            # error ends this execution as failed; left to propagate it would kill the worker thread and
+            # leave the lease renewed by the heartbeat forever, stalling the job
+            reason = f"runner error: {type(exc).__name__}: {exc}"[:500]
+            blog.exception("execution failed in its runner", error=reason)
         finally:
             self.model.forget(eid)
         # The score must be stored before the execution is completed: a completed, unscored

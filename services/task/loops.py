@@ -78,7 +78,7 @@ def _served_model(base_url: str, timeout_s: float) -> str:
 def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
     import openai
     from agents import Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
-    from agents.exceptions import MaxTurnsExceeded
+    from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 
     from services.task.tool_env import INSTRUCTIONS, TOOLS, task_message
 
@@ -109,6 +109,8 @@ def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turn
                 return "final_reply" if out.final_output is not None else "no_reply"
             except MaxTurnsExceeded:
                 return "turn_cap"
+            except ModelBehaviorError:  # the model called a tool that does not exist, or wrote bad JSON:
+                return "loop_gave_up"  # the SDK ends the run; the workspace so far is what gets scored
 
     return asyncio.run(run())
 

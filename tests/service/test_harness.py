@@ -188,3 +188,36 @@ def test_harness_runs_tool_executions_through_the_gateway(tool_stack: dict, tool
             assert (common_prefix_len(full, cur.prompt_ids) == len(full)
                     or common_prefix_len(recs[0].prompt_ids, cur.prompt_ids) > 0)
     assert calls > 0
+
+
+def _explode(harness: Harness, lease: object, task_id: str, **_kw: object) -> object:
+    raise RuntimeError("a third-party loop blew up")
+
+
+def test_a_runner_that_raises_ends_its_execution_as_failed(stack: dict) -> None:
+    """A fault barrier: an unexpected error in a family's runner (a third-party loop's own
+    exception) ends that execution as failed with the reason, and the worker goes on leasing; it
+    must not die while its heartbeat renews the lease forever (which stalled a job)."""
+    import json
+
+    from services.rollout.client import GatewayClient
+    from services.scheduler.client import SchedulerClient
+    from services.task.registry import TaskFamily, register
+
+    register(TaskFamily(name="explode-v1", generator="services.task.families.numbered:generate",
+                        runner=f"{__name__}:_explode"))
+    sched = stack["scheduler"]
+    payloads = tuple(json.dumps({"task_id": f"explode-v1/{i}"}).encode() for i in range(2))
+    sched.client.submit_job(job_spec("xj", num_steps=1, groups_per_step=2, group_size=1, mode=Mode.COLOCATE,
+                                     tasks=TaskSource(payloads=payloads)))
+    orch = Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600)
+    assert orch.tick()
+    cfg = HarnessConfig(scheduler=sched.server.address, gateway=stack["gateway"].address, reward=stack["reward"],
+                        concurrency=1, job_id="xj", lease_wait_s=0.5, max_executions=2, log_json=False)
+    harness = Harness(cfg, scheduler=SchedulerClient(cfg.scheduler), gateway=GatewayClient(cfg.gateway),
+                      reward=RewardClient(cfg.reward)).start()
+    wait_until(lambda: harness.done >= 2, timeout_s=60, what="both executions ended by the one worker")
+    harness.join(30)
+    for ex in (f"xj.s0.g{g}.e0" for g in range(2)):
+        got = sched.client.get_execution(ex)
+        assert got.state == ExecState.FAILED and "a third-party loop blew up" in got.reason
