@@ -57,15 +57,10 @@ class _Tools:
             return f"error : {name} takes a JSON object . {self.env.hint(self.scope)}"
         res = self.env.call(name, arguments, self.scope)
         if res.run is not None:
-            self.sync()
+            self.env.export(self.result)
             if self.on_progress is not None:
                 self.on_progress(dict(self.result.files))
         return res.text
-
-    def sync(self) -> None:
-        self.result.files = dict(self.env.files)
-        self.result.module_passed = dict(self.env.module_passed)
-        self.result.attempts = self.env.attempts.copy()
 
 
 def _served_model(base_url: str, timeout_s: float) -> str:
@@ -172,5 +167,5 @@ def run_third_party(loop: str, task: TaskSpec, *, base_url: str, temperature: fl
         result.status = "timeout"
     except ExecutionCancelled:
         result.status, result.error = "failed", "cancelled"
-    tools.sync()
+    tools.env.export(result)
     return result

@@ -18,6 +18,7 @@ Run ``python -m services.task.model [cache_dir]`` to build and print the held-ou
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -27,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -202,13 +203,36 @@ def warm_start(model: Any, demos: Demonstrations, spec: ModelSpecBase, *, pad_id
     return losses
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch uses ``n`` threads inside the block (a build is reproducible only at a fixed count)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def build_facts(demos: Demonstrations, losses: list[float], t0: float) -> dict[str, Any]:
+    """What a build's stamp records about its warm start."""
+    return {
+        "demo_sequences": len(demos.sequences),
+        "demo_snippets": len(demos.snippets),
+        "demo_tokens": int(sum(len(s) for s, _ in demos.sequences)),
+        "sft_loss_first": losses[0] if losses else None,
+        "sft_loss_last": losses[-1] if losses else None,
+        "build_s": round(time.monotonic() - t0, 1),
+    }
+
+
 def _build(out_dir: Path, spec: BuiltinModelSpec) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(spec.threads)
-    try:
+    with torch_threads(spec.threads):
         t0 = time.monotonic()
         codec = Codec()
         torch.manual_seed(spec.seed)
@@ -219,16 +243,7 @@ def _build(out_dir: Path, spec: BuiltinModelSpec) -> dict[str, Any]:
         losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)
         save_hf_tokenizer(out_dir, model_max_length=spec.max_positions)
-        return {
-            "demo_sequences": len(demos.sequences),
-            "demo_snippets": len(demos.snippets),
-            "demo_tokens": int(sum(len(s) for s, _ in demos.sequences)),
-            "sft_loss_first": losses[0] if losses else None,
-            "sft_loss_last": losses[-1] if losses else None,
-            "build_s": round(time.monotonic() - t0, 1),
-        }
-    finally:
-        torch.set_num_threads(prev_threads)
+        return build_facts(demos, losses, t0)
 
 
 def ensure_builtin_model(cache_dir: str | Path = ".gyre/models", *, spec: BuiltinModelSpec | None = None) -> Path:

@@ -152,13 +152,8 @@ class _ToolExecution:
             ctx = self._append(ctx, head, render_turn("tool", result, generation_prompt=True), agent_id)
         self.result.events["call_cap"] += 1
 
-    def _sync(self) -> None:
-        self.result.files = dict(self.env.files)
-        self.result.module_passed = dict(self.env.module_passed)
-        self.result.attempts = self.env.attempts.copy()
-
     def _progress(self) -> None:
-        self._sync()
+        self.env.export(self.result)
         if self.on_progress is not None:
             # Preserve the workspace as it grows: a timeout or a crash later is scored on it.
             self.on_progress(dict(self.result.files))
@@ -171,7 +166,7 @@ class _ToolExecution:
         except ExecutionCancelled:
             self.result.status = "failed"
             self.result.error = "cancelled"
-        self._sync()
+        self.env.export(self.result)
         return self.result
 
 

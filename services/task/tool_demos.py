@@ -21,7 +21,8 @@ from services.task.agent import CallContext, Generation, Sampling
 from services.task.demos import DemoCall, DemoNoise, Demonstrations, sloppy_line, training_sequences
 from services.task.spec import TaskParams, generate_task
 from services.task.tool_agent import SUMMARIZE, ToolAgentConfig, run_tool_execution
-from services.task.tool_env import DONE, render_call, summarize_statuses
+from services.task.prompts import summarize_statuses
+from services.task.tool_env import DONE, render_call
 from services.task.tool_tokenizer import IM_END, IM_START, ToolCodec
 
 __all__ = ["ToolDemonstrator", "decide", "collect_tool_demonstrations", "demo_texts", "turn_snippets"]

@@ -33,8 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.task import prompts
-from services.task.agent import TestRun, run_visible_tests
+from services.task.agent import ExecutionResult, TestRun, run_visible_tests
 from services.task.scoring import ATTEMPTS_PATH
 from services.task.spec import ModuleSpec, TaskSpec
 
@@ -235,13 +234,15 @@ class ToolTask:
                 return f"next open_module {name}"
         return f"reply {DONE}"
 
+    def export(self, result: ExecutionResult) -> None:
+        """Copy the workspace, the modules' verdicts and the attempts into an execution's result."""
+        result.files = dict(self.files)
+        result.module_passed = dict(self.module_passed)
+        result.attempts = self.attempts.copy()
+
     def subagent_report(self, module: str) -> str:
         """The main agent's result of a delegated ``open_module``."""
         passed, total = self.best.get(module, 0), len(self.task.module(module).visible_tests)
         verdict = "pass" if passed == total else "fail"
         return f"subagent {module} {verdict} {passed} / {total}"
 
-
-def summarize_statuses(text: str) -> str:
-    """The ideal summary of a context: the latest pass/fail of every module it reports on."""
-    return prompts.summarize_statuses(text)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from services.task.model import ModelSpecBase, builtin_config, ensure_model_dir, warm_start
+from services.task.model import ModelSpecBase, build_facts, builtin_config, ensure_model_dir, torch_threads, warm_start
 from services.task.tool_agent import ToolAgentConfig
 from services.task.tool_env import INSTRUCTIONS, TOOLS
 
@@ -70,9 +70,7 @@ def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
     from services.task.tool_demos import collect_tool_demonstrations, demo_texts
     from services.task.tool_tokenizer import ToolCodec, save_hf_tokenizer, train_tokenizer
 
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(spec.threads)
-    try:
+    with torch_threads(spec.threads):
         t0 = time.monotonic()
         # The corpus is rendered with a bytes-only tokenizer and no context limit: whole, uncut turns.
         boot = ToolCodec(train_tokenizer([], vocab_size=300))
@@ -88,17 +86,7 @@ def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
         losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)
         save_hf_tokenizer(tok, out_dir, model_max_length=spec.max_positions)
-        return {
-            "vocab": codec.vocab_size,
-            "demo_sequences": len(demos.sequences),
-            "demo_snippets": len(demos.snippets),
-            "demo_tokens": int(sum(len(s) for s, _ in demos.sequences)),
-            "sft_loss_first": losses[0] if losses else None,
-            "sft_loss_last": losses[-1] if losses else None,
-            "build_s": round(time.monotonic() - t0, 1),
-        }
-    finally:
-        torch.set_num_threads(prev_threads)
+        return {"vocab": codec.vocab_size, **build_facts(demos, losses, t0)}
 
 
 def ensure_tool_model(cache_dir: str | Path = ".gyre/models", *, spec: ToolModelSpec | None = None) -> Path:
