@@ -221,6 +221,10 @@ class _TokenCallCredentials(grpc.AuthMetadataPlugin):
         callback((("authorization", f"Bearer {self.token}"),), None)
 
 
+CONNECT_TIMEOUT_MS = 20_000
+"""Least time one connection attempt (TCP, TLS, HTTP/2 settings) is given before it counts as failed."""
+
+
 def open_channel(address: str, *, security: Security | None = None, max_message_mb: int = 256) -> grpc.Channel:
     """A channel to ``address`` honouring this process's (or the given) TLS and token settings.
 
@@ -232,8 +236,12 @@ def open_channel(address: str, *, security: Security | None = None, max_message_
     options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
                # a restarted peer is reached again within 2 s (gRPC's defaults back off from 1 s up to
                # 120 s after its connection broke, so a client would sit out a peer's restart for longer)
-               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-               ("grpc.max_reconnect_backoff_ms", 2000)]
+               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
+               # despite its name, gRPC core reads this as the *minimum connect timeout* (the backoff
+               # spec's MIN_CONNECT_TIMEOUT): at 200 ms a TLS handshake on a loaded host timed out
+               # ("timed out before receiving SETTINGS frame") and the call failed UNAVAILABLE. An
+               # attempt gets gRPC's default 20 s; the backoff above still paces the retries.
+               ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS)]
     if sec.tls_ca_file or sec.tls_cert_file and sec.tls_client_ca_file:
         root = Path(sec.tls_ca_file).read_bytes() if sec.tls_ca_file else None
         key = Path(sec.tls_key_file).read_bytes() if sec.tls_key_file else None

@@ -214,3 +214,68 @@ def test_typed_clients_import_no_torch() -> None:
             "heavy = sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+class SlowFront:
+    """A TCP front for ``target`` that holds each accepted connection ``delay_s`` before relaying
+    it: a peer whose TLS handshake and HTTP/2 settings come late (a loaded host)."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        import socket
+        import threading
+
+        self.target, self.delay_s = target, delay_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.accepted += 1
+            host, port = self.target.rsplit(":", 1)
+
+            def relay(a: socket.socket, b: socket.socket) -> None:
+                try:
+                    while data := a.recv(65536):
+                        b.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    for s in (a, b):
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+
+            def start(conn: socket.socket = conn) -> None:
+                threading.Event().wait(self.delay_s)  # the slow peer (a fault, not a wait for a result)
+                up = socket.create_connection((host, int(port)))
+                threading.Thread(target=relay, args=(conn, up), daemon=True).start()
+                relay(up, conn)
+
+            threading.Thread(target=start, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_peer_slow_to_answer_a_connection_still_gets_the_call(server: tuple[str, FlakyHealth]) -> None:
+    """A connection attempt gets gRPC's 20 s, not the 200 ms reconnect backoff: channels set
+    ``grpc.min_reconnect_backoff_ms``, which gRPC core reads as the minimum connect timeout, and at
+    200 ms a handshake slower than that failed the call UNAVAILABLE (seen on a loaded CI host)."""
+    address, servicer = server
+    front = SlowFront(address, delay_s=1.5)
+    try:
+        with HealthClient(front.address) as c:
+            assert c.check(idempotent=False) == SERVING  # one attempt, no client retry
+        assert front.accepted == 1 and servicer.checks == 1
+    finally:
+        front.close()
