@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.bench_harness_loops [--steps 2] [--groups 4] [--group-size 4] [--eval-tasks 16]
 
-For each loop (the built-in tool agent, openai-agents, smolagents) one elastic job of the same
+For each loop (the built-in tool agent, openai-agents, smolagents, mini-swe-agent) one elastic job of the same
 size on its own live stack, model ``builtin-tools``, task family ``xlong-tools-v1``; the table
 (``bench/results/harness_loops.md``) has, per loop (and ``builtin-linear``, the built-in agent
 without compaction, sub-agents and retries: the control for the third-party loops' linear runs): held-out pass rate before and after, model
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.run import load_run, run_job  # noqa: E402
 
-LOOPS = ("builtin", "builtin-linear", "openai-agents", "smolagents")
+LOOPS = ("builtin", "builtin-linear", "openai-agents", "smolagents", "mini-swe-agent")
 # The control: the built-in tool agent without its compaction, sub-agents and branch retries (a
 # linear conversation, as the third-party loops have), set through the harness's environment.
 LINEAR = {"GYRE_HARNESS_TOOL_CONTEXT_LIMIT_TOKENS": "1000000", "GYRE_HARNESS_DELEGATE_EVERY": "0",

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
@@ -32,7 +35,7 @@ if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
 
 __all__ = ["LOOPS", "THIRD_PARTY_LOOPS", "run_third_party"]
 
-THIRD_PARTY_LOOPS = ("openai-agents", "smolagents")
+THIRD_PARTY_LOOPS = ("openai-agents", "smolagents", "mini-swe-agent")
 LOOPS = ("builtin", *THIRD_PARTY_LOOPS)
 
 
@@ -140,6 +143,113 @@ def _smolagents(tools: _Tools, base_url: str, *, temperature: float, max_turns: 
     return "turn_cap" if len(agent.memory.steps) > max_turns else "final_reply"
 
 
+def _sandbox_args(bin_dir: Path) -> list[str]:
+    """bubblewrap's arguments around each command mini-swe-agent runs (its ``wrapper_args``; it
+    adds the working directory's bind and ``bash -c``): no network, a private /tmp, the system
+    read-only, and ``gyre-task`` with its socket."""
+    if os.geteuid() == 0:  # no user namespace as root: namespaces of their own, no capabilities
+        argv = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                "--cap-drop", "ALL"]
+    else:
+        argv = ["--unshare-all", "--cap-drop", "ALL"]
+    argv += ["--die-with-parent", "--new-session", "--hostname", "gyre-task", "--clearenv",
+             "--setenv", "PATH", f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+             "--setenv", "PAGER", "cat", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    ro: dict[str, None] = {}
+    for path in ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc/alternatives", "/etc/ld.so.cache", sys.base_prefix):
+        for p in (os.path.abspath(path), os.path.realpath(path)):  # a symlinked directory: its target too
+            if os.path.exists(p):
+                ro[p] = None
+    for path in ro:
+        argv += ["--ro-bind", path, path]
+    return argv + ["--bind", str(bin_dir), str(bin_dir)]
+
+
+def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
+    """mini-swe-agent (PyPI, pinned, its ``mini`` CLI unmodified) in a process of its own: its
+    model is the session URL, its commands run in bubblewrap (no network) in a fresh working
+    directory where ``gyre-task`` reaches this execution's tools over a Unix socket."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    from services.task.agent import ExecutionCancelled
+    from services.task.clis import MINI_SWE_AGENT, pip_cli
+    from services.task.tool_shell import SHELL_INSTRUCTIONS, TaskSocket, install_client, parse_argv, shell_task_message
+    from services.task.tool_shell import shell_text
+
+    if shutil.which("bwrap") is None:
+        raise RuntimeError("the mini-swe-agent loop runs its commands in bubblewrap: install it "
+                           "(apt-get install bubblewrap; `make install` does it as root)")
+    exe = pip_cli(*MINI_SWE_AGENT)
+    served = _served_model(base_url, timeout_s)
+    cancelled = threading.Event()
+
+    def handle(argv: list[str]) -> str:
+        tools.result.events["gyre_task_commands"] += 1
+        call = parse_argv(argv)
+        if isinstance(call, str):
+            return shell_text(f"{call} . {tools.env.hint(tools.scope)}")
+        try:
+            return shell_text(tools.call(*call))
+        except ExecutionCancelled:
+            cancelled.set()
+            return "error : the execution was cancelled"
+
+    root = Path(tempfile.mkdtemp(prefix="gyre-mini-"))
+    work, bin_dir = root / "work", root / "bin"
+    work.mkdir()
+    install_client(bin_dir)
+    server = TaskSocket(bin_dir / "task.sock", handle)
+    config = {
+        "agent": {"system_template": SHELL_INSTRUCTIONS, "instance_template": "{{task}}", "step_limit": max_turns,
+                  "cost_limit": 0, "mode": "yolo"},
+        "model": {"observation_template": "{{ output.output | trim }}{% if output.exception_info %} "
+                                          "{{ output.exception_info }}{% endif %}",
+                  "cost_tracking": "ignore_errors",
+                  "model_kwargs": {"api_base": base_url, "temperature": temperature, "max_tokens": 48}},
+        "environment": {"environment_class": "bubblewrap", "cwd": str(work), "timeout": 30,
+                        "env": {"HOME": str(work)}, "wrapper_args": _sandbox_args(bin_dir)},
+    }
+    (root / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    trajectory = root / "trajectory.json"
+    argv = [str(exe), "-m", f"openai/{served}", "-t", shell_task_message(tools.env.task), "-y", "--exit-immediately",
+            "-o", str(trajectory), "-c", "mini.yaml", "-c", str(root / "config.yaml")]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "LANG": "C.UTF-8",
+           "OPENAI_API_KEY": "gyre",  # the session URL is the credential; litellm wants a key set
+           "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
+    log_file = open(root / "mini.log", "wb")  # noqa: SIM115 -- closed in the finally below
+    proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None:
+            if cancelled.is_set() or (tools.cancelled is not None and tools.cancelled.is_set()):
+                raise ExecutionCancelled()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mini-swe-agent ran past the execution's deadline ({timeout_s:.0f} s)")
+            try:
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        stderr = (root / "mini.log").read_text(errors="replace")
+        try:
+            status = json.loads(trajectory.read_text())["info"]["exit_status"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise RuntimeError(f"mini-swe-agent exited {proc.returncode} without a trajectory: "
+                               f"{stderr.strip()[-500:]}") from None
+        return {"Submitted": "final_reply", "LimitsExceeded": "turn_cap"}.get(str(status), "loop_gave_up")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log_file.close()
+        server.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run_third_party(loop: str, task: TaskSpec, *, base_url: str, temperature: float, fix_turns: int = 1,
                     deadline_s: float, clock: Callable[[], float] = time.time,
                     on_progress: Callable[[dict[str, bytes]], None] | None = None,
@@ -160,7 +270,7 @@ def run_third_party(loop: str, task: TaskSpec, *, base_url: str, temperature: fl
     if timeout_s <= 0:
         result.status = "timeout"
         return result
-    run = _openai_agents if loop == "openai-agents" else _smolagents
+    run = {"openai-agents": _openai_agents, "smolagents": _smolagents, "mini-swe-agent": _mini_swe_agent}[loop]
     try:
         result.events[run(tools, base_url, temperature=temperature, max_turns=max_turns, timeout_s=timeout_s)] += 1
     except (TimeoutError, asyncio.TimeoutError):

@@ -13,19 +13,27 @@ from __future__ import annotations
 
 import random
 import re
+import shlex
 from collections.abc import Iterator
 
 import numpy as np
 
-from services.task.agent import CallContext, Generation, Sampling
+from services.task.agent import CallContext, Generation, ModelClient, Sampling
 from services.task.demos import DemoCall, DemoNoise, Demonstrations, sloppy_line, training_sequences
-from services.task.spec import TaskParams, generate_task
+from services.task.spec import TaskParams, TaskSpec, generate_task
 from services.task.tool_agent import SUMMARIZE, ToolAgentConfig, run_tool_execution
 from services.task.prompts import summarize_statuses
-from services.task.tool_env import DONE, render_call
-from services.task.tool_tokenizer import IM_END, IM_START, ToolCodec
+from services.task.tool_env import DONE, Scope, ToolTask, parse_call, render_call
+from services.task.tool_shell import (BASH_TOOL, COMMAND, SHELL_INSTRUCTIONS, SUBMIT, parse_argv, shell_command,
+                                      shell_task_message, shell_text)
+from services.task.tool_tokenizer import IM_END, IM_START, ToolCodec, render_system, render_turn
 
-__all__ = ["ToolDemonstrator", "decide", "collect_tool_demonstrations", "demo_texts", "turn_snippets"]
+__all__ = ["ToolDemonstrator", "decide", "decide_shell", "collect_tool_demonstrations", "demo_texts", "turn_snippets",
+           "run_shell_demo", "DIALECTS"]
+
+DIALECTS = ("tools", "shell")
+"""The task's tools as functions (the built-in loop, openai-agents, smolagents), or as the
+``gyre-task`` command behind a bash tool (mini-swe-agent; services.task.tool_shell)."""
 
 _HINT_RE = re.compile(r"(?:next (open_module|write_line|run_tests) (m\d+)(?: step ([^<]+?))?|reply (done))\s*$")
 
@@ -55,17 +63,30 @@ def decide(text: str, rng: random.Random, noise: DemoNoise) -> str:
     return render_call(tool, {"module": module})
 
 
+def decide_shell(text: str, rng: random.Random, noise: DemoNoise) -> str:
+    """`decide` for the shell dialect: the same choice, read from a ``gyre-task`` result's hint and
+    written as a bash call (``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` where it would reply done)."""
+    plain = text.replace(f"next {SUBMIT}", f"reply {DONE}").replace(f"next {COMMAND} ", "next ")
+    reply = decide(plain, rng, noise)
+    call = parse_call(reply)
+    command = SUBMIT if call is None else shell_command(*call)
+    return render_call(BASH_TOOL["name"], {"command": command})
+
+
 class ToolDemonstrator:
     """A scripted `ModelClient` for tool executions; records every call it answers."""
 
-    def __init__(self, codec: ToolCodec, noise: DemoNoise) -> None:
+    def __init__(self, codec: ToolCodec, noise: DemoNoise, dialect: str = "tools") -> None:
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}")
         self.codec, self.noise = codec, noise
+        self.decide = decide_shell if dialect == "shell" else decide
         self.calls: list[DemoCall] = []
 
     def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
                  timeout_s: float) -> Generation:
         text = self.codec.tok.decode([int(i) for i in prompt_ids], skip_special_tokens=False)
-        answer = decide(text, random.Random(sampling.seed), self.noise)
+        answer = self.decide(text, random.Random(sampling.seed), self.noise)
         out = np.concatenate([self.codec.encode(answer), np.asarray([self.codec.eos_id], dtype=np.int32)])
         out = out[: sampling.max_new_tokens]
         self.calls.append(DemoCall(np.asarray(prompt_ids, dtype=np.int32).copy(), out, context.role))
@@ -90,35 +111,75 @@ def turn_snippets(calls: list[DemoCall], im_start_id: int) -> list[tuple[np.ndar
     return out
 
 
+def run_shell_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, fix_turns: int, max_turns: int,
+                   max_new_tokens: int, rng: random.Random, temperature: float = 1.0) -> ToolTask:
+    """One execution the way mini-swe-agent runs it through the gateway (services.task.loops):
+    system (`SHELL_INSTRUCTIONS` and the bash tool), the task message, then call -> ``gyre-task``
+    result as a tool turn, until the submit command, a reply without a call or ``max_turns``. No
+    compaction, sub-agents or retries: that loop has none. Returns the workspace (``demo`` may be
+    any `ModelClient`: a model, to see how it does in this dialect)."""
+    env, scope = ToolTask(task, fix_turns=fix_turns), Scope(tuple(m.name for m in task.modules))
+    text = (render_system(SHELL_INSTRUCTIONS, [BASH_TOOL]) + render_turn("user", shell_task_message(task))
+            + f"{IM_START}assistant\n")
+    ctx = codec.encode(text)
+    for turn in range(max_turns):
+        out = demo.generate(CallContext(job_id="", execution_id="shell-demo", call_id=f"c{turn}", agent_id="main",
+                                        role="main"), ctx,
+                            Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
+                                     stop_token_ids=(codec.eos_id,),
+                                     seed=rng.randrange(1 << 31)), timeout_s=0.0)
+        ctx = np.concatenate([ctx, out.output_ids])
+        call = parse_call(codec.decode(out.output_ids))
+        if call is None or call[1].get("command") == SUBMIT:
+            return env
+        try:
+            argv = shlex.split(str(call[1].get("command", "")))
+        except ValueError:  # what bash says to an unclosed quote, near enough
+            argv = ["bash:", "syntax error"]
+        parsed = parse_argv(argv[1:]) if argv and argv[0] == COMMAND else f"error : {COMMAND} only"
+        result = f"{parsed} . {env.hint(scope)}" if isinstance(parsed, str) else env.call(*parsed, scope).text
+        ctx = np.concatenate([ctx, codec.encode("\n" + render_turn("tool", shell_text(result), generation_prompt=True))])
+    return env
+
+
 def _executions(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig, noise: DemoNoise,
-                seed: int) -> Iterator[list[DemoCall]]:
+                seed: int, dialect: str = "tools") -> Iterator[list[DemoCall]]:
     # Demo tasks come from far up the train seed range so they do not repeat RL's first tasks.
-    base = 10**9 + seed * num_tasks
+    base = 10**9 + seed * num_tasks + (10**8 if dialect == "shell" else 0)
     for k in range(num_tasks):
         task = generate_task(base + k, params, split="train")
-        demo = ToolDemonstrator(codec, noise)
-        run_tool_execution(task, demo, codec=codec, config=agent, execution_id=f"tool-demo-{seed}-{k}",
-                           deadline_s=float("inf"))
+        demo = ToolDemonstrator(codec, noise, dialect)
+        if dialect == "shell":
+            steps = sum(len(m.steps) + 2 for m in task.modules)
+            run_shell_demo(task, demo, codec=codec, fix_turns=agent.fix_turns, max_turns=agent.calls_per_step * steps,
+                           max_new_tokens=agent.max_new_tokens, rng=random.Random(base + k))
+        else:
+            run_tool_execution(task, demo, codec=codec, config=agent, execution_id=f"tool-demo-{seed}-{k}",
+                               deadline_s=float("inf"))
         yield demo.calls
 
 
 def demo_texts(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig, noise: DemoNoise,
-               seed: int = 0) -> list[str]:
+               seed: int = 0, dialect: str = "tools") -> list[str]:
     """The demonstrations' whole contexts as text (the corpus the tokenizer is trained on)."""
     texts = []
-    for calls in _executions(codec, num_tasks=num_tasks, params=params, agent=agent, noise=noise, seed=seed):
+    for calls in _executions(codec, num_tasks=num_tasks, params=params, agent=agent, noise=noise, seed=seed,
+                             dialect=dialect):
         for seq, _ in training_sequences(calls):
             texts.append(codec.tok.decode([int(i) for i in seq], skip_special_tokens=False))
     return texts
 
 
 def collect_tool_demonstrations(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig,
-                                noise: DemoNoise, seed: int = 0) -> Demonstrations:
-    """Run the tool agent with the demonstrator on `num_tasks` train tasks."""
+                                noise: DemoNoise, seed: int = 0, shell_tasks: int = 0) -> Demonstrations:
+    """Run the tool agent with the demonstrator on `num_tasks` train tasks, and the shell dialect's
+    loop on `shell_tasks` others."""
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
     snippets: list[tuple[np.ndarray, np.ndarray]] = []
     im_start = int(codec.encode(IM_START)[0])
-    for calls in _executions(codec, num_tasks=num_tasks, params=params, agent=agent, noise=noise, seed=seed):
-        seqs.extend(training_sequences(calls))
-        snippets.extend(turn_snippets(calls, im_start))
+    for dialect, n in (("tools", num_tasks), ("shell", shell_tasks)):
+        for calls in _executions(codec, num_tasks=n, params=params, agent=agent, noise=noise, seed=seed,
+                                 dialect=dialect):
+            seqs.extend(training_sequences(calls))
+            snippets.extend(turn_snippets(calls, im_start))
     return Demonstrations(seqs, snippets)

@@ -7,7 +7,8 @@ loads with ``from_pretrained`` (model name ``builtin-tools``). Built once, deter
     1. a byte-level BPE trained on the text of tool-agent demonstrations (services.task.tool_demos,
        first run with a bytes-only tokenizer, so the corpus does not depend on the tokenizer);
     2. demonstrations again with that tokenizer: the tool agent (services.task.tool_agent) driven by
-       the scripted demonstrator, its calls written as ``<tool_call>{"name": ..., "arguments": ...}``;
+       the scripted demonstrator, its calls written as ``<tool_call>{"name": ..., "arguments": ...}``,
+       and the shell dialect (``gyre-task`` commands in bash calls, mini-swe-agent's loop);
     3. the supervised pass of the word-level model (services.task.model.warm_start): last-turn
        snippets first, then whole contexts, loss on generated tokens only;
     4. save; the stamp records the spec's hash, so a changed spec rebuilds.
@@ -28,6 +29,7 @@ from typing import Any
 from services.task.model import ModelSpecBase, build_facts, builtin_config, ensure_model_dir, torch_threads, warm_start
 from services.task.tool_agent import ToolAgentConfig
 from services.task.tool_env import INSTRUCTIONS, TOOLS
+from services.task.tool_shell import BASH_TOOL, CLIENT, SHELL_INSTRUCTIONS
 
 __all__ = ["ToolModelSpec", "ensure_tool_model", "MODEL_NAME", "TOOL_BUILD_VERSION"]
 
@@ -42,24 +44,31 @@ class ToolModelSpec(ModelSpecBase):
 
     demo_tasks: int = 300
     """Train tasks the demonstrator solves for the warm start."""
+    snippet_steps: int = 300
+    """Optimizer steps on last-turn snippets (twice the word-level model's: two dialects to learn)."""
+    sft_steps: int = 450
+    """Optimizer steps on whole contexts."""
     batch_size: int = 16
     """Sequences per optimizer step."""
     vocab_size: int = 2048
     """Upper bound on the BPE vocabulary (the corpus may support fewer merges)."""
     corpus_tasks: int = 100
-    """Train tasks whose demonstrations are the tokenizer's corpus."""
+    """Train tasks whose demonstrations are the tokenizer's corpus (as many again in the shell dialect)."""
+    shell_demo_tasks: int = 150
+    """Train tasks the demonstrator solves through ``gyre-task`` behind a bash tool, the way
+    mini-swe-agent runs them (services.task.tool_shell); 0: the model knows only the functions."""
     agent: ToolAgentConfig = field(default_factory=ToolAgentConfig)
     """Tool-agent knobs of the demonstration runs."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.corpus_tasks < 1 or not 300 <= self.vocab_size <= 65_536:
-            raise ValueError("corpus_tasks must be >= 1 and vocab_size in [300, 65536].")
+        if self.corpus_tasks < 1 or self.shell_demo_tasks < 0 or not 300 <= self.vocab_size <= 65_536:
+            raise ValueError("corpus_tasks must be >= 1, shell_demo_tasks >= 0 and vocab_size in [300, 65536].")
 
     def digest(self) -> str:
         # the tools and instructions are what the model is trained to see: a change to them rebuilds it
         blob = json.dumps({"version": TOOL_BUILD_VERSION, "tools": TOOLS, "instructions": INSTRUCTIONS,
-                           **asdict(self)}, sort_keys=True, default=str)
+                           "shell": [SHELL_INSTRUCTIONS, BASH_TOOL, CLIENT], **asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -75,14 +84,15 @@ def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
         # The corpus is rendered with a bytes-only tokenizer and no context limit: whole, uncut turns.
         boot = ToolCodec(train_tokenizer([], vocab_size=300))
         unbounded = replace(spec.agent, context_limit_tokens=1 << 30, max_new_tokens=1024, summary_max_new_tokens=1024)
-        texts = demo_texts(boot, num_tasks=spec.corpus_tasks, params=spec.task, agent=unbounded, noise=spec.noise,
-                           seed=spec.seed + 1)
+        texts = [text for dialect in ("tools", "shell") if dialect == "tools" or spec.shell_demo_tasks
+                 for text in demo_texts(boot, num_tasks=spec.corpus_tasks, params=spec.task, agent=unbounded,
+                                        noise=spec.noise, seed=spec.seed + 1, dialect=dialect)]
         tok = train_tokenizer(texts, vocab_size=spec.vocab_size)
         codec = ToolCodec(tok)
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(builtin_config(spec, codec), attn_implementation="sdpa")
         demos = collect_tool_demonstrations(codec, num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent,
-                                            noise=spec.noise, seed=spec.seed)
+                                            noise=spec.noise, seed=spec.seed, shell_tasks=spec.shell_demo_tasks)
         losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)
         save_hf_tokenizer(tok, out_dir, model_max_length=spec.max_positions)

@@ -143,7 +143,8 @@ def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
     from services.task.tool_model import ToolModelSpec, ensure_tool_model
 
     model = ensure_tool_model(tmp_path / "models",
-                              spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20))
+                              spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20,
+                                               shell_demo_tasks=0))
     run, spec, config = load_run(["--harness", "openai-agents", "--model", str(model), "--num_steps", "1",
                                   "--groups_per_step", "2", "--group_size", "2", "--evaluation.tasks", "2",
                                   "--evaluation.every", "1", "--tasks.params.num_modules", "2"])
@@ -162,3 +163,45 @@ def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
     assert sum(e["tool_calls"] for e in ended) > 0  # the Agent called the task's tools
     with pytest.raises(ValueError, match="not available"):
         load_run(["--harness", "claude-code"])
+
+
+@pytest.mark.timeout(900)
+def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
+    """`gyre run --harness mini-swe-agent`: each execution of the tool-calling task is run by the
+    pinned, unmodified mini-swe-agent CLI (its own process, its model the lease's session URL) whose
+    bash commands run in bubblewrap, where ``gyre-task`` reaches the execution's tools. Its calls
+    are recorded as TITO, packed and trained; reward grades the workspaces its commands wrote. A
+    quickly warm-started tool model (with shell demonstrations) stands in for builtin-tools."""
+    import dataclasses
+    import shutil
+
+    from services.run import load_run
+    from services.task.clis import MINI_SWE_AGENT, CliUnavailable
+    from services.task.tool_model import ToolModelSpec, ensure_tool_model
+    from tests.support.clis import pip_cli
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (make install)")
+    try:
+        pip_cli(*MINI_SWE_AGENT)  # installed once per checkout (the loop would install it on first use)
+    except CliUnavailable as exc:
+        pytest.skip(str(exc))
+    model = ensure_tool_model(tmp_path / "models", spec=ToolModelSpec(corpus_tasks=20, demo_tasks=20, snippet_steps=40,
+                                                                       sft_steps=30, shell_demo_tasks=40))
+    run, spec, config = load_run(["--harness", "mini-swe-agent", "--model", str(model), "--num_steps", "1",
+                                  "--groups_per_step", "2", "--group_size", "2", "--evaluation.tasks", "2",
+                                  "--evaluation.every", "1", "--tasks.params.num_modules", "2"])
+    assert run.harness_loop == "mini-swe-agent" and spec.tasks.generator == "xlong-tools-v1"
+    run = dataclasses.replace(run, engines=1, harness_concurrency=4, time_budget_s=600, quiet=True,
+                              report_dir=str(tmp_path / "report"), data_dir=str(tmp_path / "data"))
+    lines: list[str] = []
+    result = run_job(run, spec, echo=lines.append, config_path=config)
+    assert result.final_state == "completed", lines
+    assert len(result.steps) == 1 and result.weight_version == 1 and result.steps[0]["tree_tokens"] > 0
+    ended = [json.loads(x) for x in (tmp_path / "data" / "elastic" / "logs" / "harness.log").read_text().splitlines()
+             if '"execution ended"' in x]
+    assert len(ended) == 4 + 2 * 2 and all(e["loop"] == "mini-swe-agent" for e in ended), ended
+    # its model's bash calls ran gyre-task in the sandbox (a model this briefly warm-started often
+    # gets the arguments wrong: those get the usage error, and count here too)
+    assert sum(e["events"].get("gyre_task_commands", 0) for e in ended) > 0, ended
+    assert all(e["status"] in ("finished", "timeout") for e in ended), ended

@@ -1,73 +1,23 @@
-"""Third-party coding CLIs from their registries, pinned, installed once per checkout.
-
-``npm_cli(package, version, binary)`` installs ``package@version`` under ``.gyre/clis/`` (a file
-lock guards concurrent test processes) and returns the path of its ``binary``; ``CliUnavailable``
-says why not when npm is not installed here or the registry cannot be reached. ``pip_cli`` does the same for a PyPI package, in a virtual
-environment of its own (its dependencies, e.g. litellm's openai, never touch Gyre's).
-"""
+"""Third-party coding CLIs from their registries, pinned, installed once per checkout under
+``.gyre/clis`` (services.task.clis installs them; tests name this checkout's directory)."""
 
 from __future__ import annotations
 
-import fcntl
-import shutil
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
+
+from services.task import clis as _clis
+from services.task.clis import CLAUDE_CODE, CODEX, MINI_SWE_AGENT, UNREACHABLE, CliUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 CLIS = REPO / ".gyre" / "clis"
 
-CLAUDE_CODE = ("@anthropic-ai/claude-code", "2.1.328", "claude")
-CODEX = ("@openai/codex", "0.169.0", "codex")
-MINI_SWE_AGENT = ("mini-swe-agent", "2.4.6", "mini")
-
-
-# an install that failed for one of these reasons says the registry cannot be reached from here
-UNREACHABLE = ("ENOTFOUND", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESET", "getaddrinfo",
-               "Temporary failure in name resolution", "Failed to establish a new connection", "No route to host")
-
-
-class CliUnavailable(RuntimeError):
-    """This host cannot install the CLI (no npm, or the registry is unreachable): not a failure of
-    the package or of Gyre."""
-
-
-def _install_once(where: Path, exe: Path, install: Callable[[], subprocess.CompletedProcess], what: str) -> Path:
-    where.mkdir(parents=True, exist_ok=True)
-    with open(where / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (where / ".complete").exists():
-            proc = install()
-            if proc.returncode != 0 or not exe.exists():
-                shutil.rmtree(where / "node_modules", ignore_errors=True)
-                if any(s in proc.stderr + proc.stdout for s in UNREACHABLE):
-                    raise CliUnavailable(f"installing {what}: the registry is unreachable from here")
-                raise RuntimeError(f"installing {what} failed: {proc.stderr[-2000:]}")
-            (where / ".complete").touch()
-    return exe
+__all__ = ["REPO", "CLIS", "CLAUDE_CODE", "CODEX", "MINI_SWE_AGENT", "UNREACHABLE", "CliUnavailable", "npm_cli",
+           "pip_cli"]
 
 
 def npm_cli(package: str, version: str, binary: str) -> Path:
-    npm = shutil.which("npm")
-    if npm is None:
-        raise CliUnavailable("npm is not installed (the CLIs come from the npm registry)")
-    where = CLIS / f"{package.replace('/', '+')}@{version}"
-    exe = where / "node_modules" / ".bin" / binary
-    return _install_once(where, exe, lambda: subprocess.run(
-        [npm, "install", "--prefix", str(where), "--no-audit", "--no-fund", "--no-save", f"{package}@{version}"],
-        capture_output=True, text=True, timeout=900), f"{package}@{version}")
+    return _clis.npm_cli(package, version, binary, root=CLIS)
 
 
 def pip_cli(package: str, version: str, binary: str) -> Path:
-    where = CLIS / f"{package}@{version}"
-    exe = where / "bin" / binary
-
-    def install() -> subprocess.CompletedProcess:
-        made = subprocess.run([sys.executable, "-m", "venv", str(where)], capture_output=True, text=True)
-        if made.returncode != 0:
-            return made
-        return subprocess.run([str(where / "bin" / "pip"), "install", "--quiet", f"{package}=={version}"],
-                              capture_output=True, text=True, timeout=900)
-
-    return _install_once(where, exe, install, f"{package}=={version}")
+    return _clis.pip_cli(package, version, binary, root=CLIS)
