@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.bwrap import SYSTEM_PATHS, existing_paths
 from services.common.logging import get_logger
 from services.reward.scorers import ScoreInput, ScorerError, ScorerOutput, ScorerSpec, parse_output
 
@@ -92,14 +93,7 @@ class SandboxSpec:
 
     def read_only_paths(self) -> list[str]:
         """What the sandbox sees, read-only, at the same paths (those that exist; symlink targets too)."""
-        ro = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/alternatives", "/etc/ld.so.cache",
-              sys.base_prefix, sys.prefix, str(_REPO / "services"), *self.paths]
-        out: dict[str, None] = {}
-        for path in ro:
-            for p in (os.path.abspath(path), os.path.realpath(path)):  # a symlinked interpreter: its target
-                if os.path.exists(p):
-                    out[p] = None
-        return list(out)
+        return existing_paths([*SYSTEM_PATHS, sys.base_prefix, sys.prefix, str(_REPO / "services"), *self.paths])
 
     def command(self, uid: int, cpu_s: int) -> list[str]:
         """The worker's argv (bubblewrap around the interpreter, or the interpreter alone)."""

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.bwrap import SYSTEM_PATHS, existing_paths
+
 if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
     from services.task.agent import ExecutionResult
     from services.task.spec import TaskSpec
@@ -155,12 +157,7 @@ def _sandbox_args(bin_dir: Path) -> list[str]:
     argv += ["--die-with-parent", "--new-session", "--hostname", "gyre-task", "--clearenv",
              "--setenv", "PATH", f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PAGER", "cat", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    ro: dict[str, None] = {}
-    for path in ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc/alternatives", "/etc/ld.so.cache", sys.base_prefix):
-        for p in (os.path.abspath(path), os.path.realpath(path)):  # a symlinked directory: its target too
-            if os.path.exists(p):
-                ro[p] = None
-    for path in ro:
+    for path in existing_paths([*SYSTEM_PATHS, sys.base_prefix]):
         argv += ["--ro-bind", path, path]
     return argv + ["--bind", str(bin_dir), str(bin_dir)]
 
@@ -176,25 +173,19 @@ def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_tur
 
     from services.task.agent import ExecutionCancelled
     from services.task.clis import MINI_SWE_AGENT, pip_cli
-    from services.task.tool_shell import SHELL_INSTRUCTIONS, TaskSocket, install_client, parse_argv, shell_task_message
-    from services.task.tool_shell import shell_text
+    from services.task.tool_shell import SHELL_INSTRUCTIONS, TaskSocket, answer, install_client, shell_task_message
 
     if shutil.which("bwrap") is None:
         raise RuntimeError("the mini-swe-agent loop runs its commands in bubblewrap: install it "
                            "(apt-get install bubblewrap; `make install` does it as root)")
     exe = pip_cli(*MINI_SWE_AGENT)
     served = _served_model(base_url, timeout_s)
-    cancelled = threading.Event()
 
     def handle(argv: list[str]) -> str:
         tools.result.events["gyre_task_commands"] += 1
-        call = parse_argv(argv)
-        if isinstance(call, str):
-            return shell_text(f"{call} . {tools.env.hint(tools.scope)}")
         try:
-            return shell_text(tools.call(*call))
-        except ExecutionCancelled:
-            cancelled.set()
+            return answer(argv, tools.call, lambda: tools.env.hint(tools.scope))
+        except ExecutionCancelled:  # the wait below sees the cancellation and ends the run
             return "error : the execution was cancelled"
 
     root = Path(tempfile.mkdtemp(prefix="gyre-mini-"))
@@ -226,7 +217,7 @@ def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_tur
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None:
-            if cancelled.is_set() or (tools.cancelled is not None and tools.cancelled.is_set()):
+            if tools.cancelled is not None and tools.cancelled.is_set():
                 raise ExecutionCancelled()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"mini-swe-agent ran past the execution's deadline ({timeout_s:.0f} s)")

@@ -24,8 +24,8 @@ from services.task.spec import TaskParams, TaskSpec, generate_task
 from services.task.tool_agent import SUMMARIZE, ToolAgentConfig, run_tool_execution
 from services.task.prompts import summarize_statuses
 from services.task.tool_env import DONE, Scope, ToolTask, parse_call, render_call
-from services.task.tool_shell import (BASH_TOOL, COMMAND, SHELL_INSTRUCTIONS, SUBMIT, parse_argv, shell_command,
-                                      shell_task_message, shell_text)
+from services.task.tool_shell import (BASH_TOOL, COMMAND, SHELL_INSTRUCTIONS, SUBMIT, answer, shell_command,
+                                      shell_task_message)
 from services.task.tool_tokenizer import IM_END, IM_START, ToolCodec, render_system, render_turn
 
 __all__ = ["ToolDemonstrator", "decide", "decide_shell", "collect_tool_demonstrations", "demo_texts", "turn_snippets",
@@ -136,9 +136,11 @@ def run_shell_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, fix_t
             argv = shlex.split(str(call[1].get("command", "")))
         except ValueError:  # what bash says to an unclosed quote, near enough
             argv = ["bash:", "syntax error"]
-        parsed = parse_argv(argv[1:]) if argv and argv[0] == COMMAND else f"error : {COMMAND} only"
-        result = f"{parsed} . {env.hint(scope)}" if isinstance(parsed, str) else env.call(*parsed, scope).text
-        ctx = np.concatenate([ctx, codec.encode("\n" + render_turn("tool", shell_text(result), generation_prompt=True))])
+        if argv and argv[0] == COMMAND:
+            result = answer(argv[1:], lambda name, args: env.call(name, args, scope).text, lambda: env.hint(scope))
+        else:
+            result = f"error : {COMMAND} only"
+        ctx = np.concatenate([ctx, codec.encode("\n" + render_turn("tool", result, generation_prompt=True))])
     return env
 
 

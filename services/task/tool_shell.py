@@ -34,7 +34,7 @@ from services.task.spec import TaskSpec
 from services.task.tool_env import INSTRUCTIONS
 
 __all__ = ["COMMAND", "SUBMIT", "BASH_TOOL", "SHELL_INSTRUCTIONS", "CLIENT", "shell_task_message", "shell_text",
-           "shell_command", "parse_argv", "TaskSocket", "install_client"]
+           "shell_command", "parse_argv", "answer", "TaskSocket", "install_client"]
 
 COMMAND = "gyre-task"
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -91,6 +91,13 @@ def parse_argv(argv: Sequence[str]) -> tuple[str, dict[str, str]] | str:
     if len(rest) != len(params):
         return f"error : usage {COMMAND} {name} {' '.join(p.upper() for p in params)}"
     return name, dict(zip(params, rest, strict=True))
+
+
+def answer(argv: Sequence[str], call: Callable[[str, dict[str, str]], str], hint: Callable[[], str]) -> str:
+    """What ``gyre-task ARGV`` prints: the result of the tool call it names (``call(name,
+    arguments)``), or its usage error and where the agent stands (``hint()``); hints as commands."""
+    parsed = parse_argv(argv)
+    return shell_text(f"{parsed} . {hint()}" if isinstance(parsed, str) else call(*parsed))
 
 
 # The command inside the sandbox: standard library only, any python3 on PATH.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,29 +138,12 @@ def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
     the lease's session base URL; the task's tools executed on the workspace). Its calls are
     recorded as TITO, packed and trained; reward grades the workspaces it wrote. A quickly
     warm-started tool model stands in for builtin-tools (same code path)."""
-    import dataclasses
-
     from services.run import load_run
-    from services.task.tool_model import ToolModelSpec, ensure_tool_model
+    from services.task.tool_model import ToolModelSpec
 
-    model = ensure_tool_model(tmp_path / "models",
-                              spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20,
-                                               shell_demo_tasks=0))
-    run, spec, config = load_run(["--harness", "openai-agents", "--model", str(model), "--num_steps", "1",
-                                  "--groups_per_step", "2", "--group_size", "2", "--evaluation.tasks", "2",
-                                  "--evaluation.every", "1", "--tasks.params.num_modules", "2"])
-    assert run.harness_loop == "openai-agents" and spec.tasks.generator == "xlong-tools-v1"  # --task tools implied
-    assert spec.harness == "builtin"  # the built-in workers run the executions, through that loop
-    run = dataclasses.replace(run, engines=1, harness_concurrency=4, time_budget_s=600, quiet=True,
-                              report_dir=str(tmp_path / "report"), data_dir=str(tmp_path / "data"))
-    lines: list[str] = []
-    result = run_job(run, spec, echo=lines.append, config_path=config)
-    assert result.final_state == "completed", lines
-    assert len(result.steps) == 1 and result.weight_version == 1 and result.steps[0]["tree_tokens"] > 0
+    result, ended = _run_through_loop(tmp_path, "openai-agents", ToolModelSpec(
+        corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20, shell_demo_tasks=0))
     assert [e["step"] for e in result.evals] == [0, 1]
-    ended = [json.loads(x) for x in (tmp_path / "data" / "elastic" / "logs" / "harness.log").read_text().splitlines()
-             if '"execution ended"' in x]
-    assert len(ended) == 4 + 2 * 2 and all(e["loop"] == "openai-agents" for e in ended), ended
     assert sum(e["tool_calls"] for e in ended) > 0  # the Agent called the task's tools
     with pytest.raises(ValueError, match="not available"):
         load_run(["--harness", "claude-code"])
@@ -172,12 +156,10 @@ def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
     bash commands run in bubblewrap, where ``gyre-task`` reaches the execution's tools. Its calls
     are recorded as TITO, packed and trained; reward grades the workspaces its commands wrote. A
     quickly warm-started tool model (with shell demonstrations) stands in for builtin-tools."""
-    import dataclasses
     import shutil
 
-    from services.run import load_run
     from services.task.clis import MINI_SWE_AGENT, CliUnavailable
-    from services.task.tool_model import ToolModelSpec, ensure_tool_model
+    from services.task.tool_model import ToolModelSpec
     from tests.support.clis import pip_cli
 
     if shutil.which("bwrap") is None:
@@ -186,12 +168,30 @@ def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
         pip_cli(*MINI_SWE_AGENT)  # installed once per checkout (the loop would install it on first use)
     except CliUnavailable as exc:
         pytest.skip(str(exc))
-    model = ensure_tool_model(tmp_path / "models", spec=ToolModelSpec(corpus_tasks=20, demo_tasks=20, snippet_steps=40,
-                                                                       sft_steps=30, shell_demo_tasks=40))
-    run, spec, config = load_run(["--harness", "mini-swe-agent", "--model", str(model), "--num_steps", "1",
+    _, ended = _run_through_loop(tmp_path, "mini-swe-agent", ToolModelSpec(
+        corpus_tasks=20, demo_tasks=20, snippet_steps=40, sft_steps=30, shell_demo_tasks=40))
+    # its model's bash calls ran gyre-task in the sandbox (a model this briefly warm-started often
+    # gets the arguments wrong: those get the usage error, and count here too)
+    assert sum(e["events"].get("gyre_task_commands", 0) for e in ended) > 0, ended
+    assert all(e["status"] in ("finished", "timeout") for e in ended), ended
+
+
+def _run_through_loop(tmp_path: Path, loop: str, model_spec: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """`gyre run --harness LOOP` on a quickly warm-started tool model (standing in for
+    builtin-tools, same code path): one step of 2 groups x 2 on 2-module tasks, 2 held-out tasks
+    before and after. Checks the job completed and trained one step, and that every execution
+    (4 trained + 2 x 2 held-out) ended through ``loop``; returns the result and those log lines."""
+    import dataclasses
+
+    from services.run import load_run
+    from services.task.tool_model import ensure_tool_model
+
+    model = ensure_tool_model(tmp_path / "models", spec=model_spec)
+    run, spec, config = load_run(["--harness", loop, "--model", str(model), "--num_steps", "1",
                                   "--groups_per_step", "2", "--group_size", "2", "--evaluation.tasks", "2",
                                   "--evaluation.every", "1", "--tasks.params.num_modules", "2"])
-    assert run.harness_loop == "mini-swe-agent" and spec.tasks.generator == "xlong-tools-v1"
+    assert run.harness_loop == loop and spec.tasks.generator == "xlong-tools-v1"  # --task tools implied
+    assert spec.harness == "builtin"  # the built-in workers run the executions, through that loop
     run = dataclasses.replace(run, engines=1, harness_concurrency=4, time_budget_s=600, quiet=True,
                               report_dir=str(tmp_path / "report"), data_dir=str(tmp_path / "data"))
     lines: list[str] = []
@@ -200,8 +200,5 @@ def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
     assert len(result.steps) == 1 and result.weight_version == 1 and result.steps[0]["tree_tokens"] > 0
     ended = [json.loads(x) for x in (tmp_path / "data" / "elastic" / "logs" / "harness.log").read_text().splitlines()
              if '"execution ended"' in x]
-    assert len(ended) == 4 + 2 * 2 and all(e["loop"] == "mini-swe-agent" for e in ended), ended
-    # its model's bash calls ran gyre-task in the sandbox (a model this briefly warm-started often
-    # gets the arguments wrong: those get the usage error, and count here too)
-    assert sum(e["events"].get("gyre_task_commands", 0) for e in ended) > 0, ended
-    assert all(e["status"] in ("finished", "timeout") for e in ended), ended
+    assert len(ended) == 4 + 2 * 2 and all(e["loop"] == loop for e in ended), ended
+    return result, ended

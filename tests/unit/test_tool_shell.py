@@ -22,7 +22,7 @@ from services.task.spec import TaskParams, generate_task
 from services.task.tool_agent import ToolAgentConfig
 from services.task.tool_demos import ToolDemonstrator, decide_shell, run_shell_demo
 from services.task.tool_env import parse_call
-from services.task.tool_shell import (BASH_TOOL, COMMAND, SUBMIT, TaskSocket, install_client, parse_argv,
+from services.task.tool_shell import (BASH_TOOL, COMMAND, SUBMIT, TaskSocket, answer, install_client, parse_argv,
                                       shell_command, shell_task_message, shell_text)
 from services.task.tool_tokenizer import ToolCodec, train_tokenizer
 
@@ -76,9 +76,8 @@ def test_the_command_in_the_sandbox_reaches_the_task_and_nothing_else(tmp_path: 
     result = ExecutionResult(status="finished", files={})
     tools = _Tools(task, fix_turns=1, on_progress=None, cancelled=None, result=result)
 
-    def handle(argv: list[str]) -> str:
-        call = parse_argv(argv)
-        return shell_text(call if isinstance(call, str) else tools.call(*call))
+    def handle(argv: list[str]) -> str:  # as the mini-swe-agent loop answers
+        return answer(argv, tools.call, lambda: tools.env.hint(tools.scope))
 
     work, bin_dir = tmp_path / "work", tmp_path / "bin"
     work.mkdir()
