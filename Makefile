@@ -76,9 +76,10 @@ bench: install  ## every benchmark; tables land in bench/results/
 	@set -e; for b in bench/bench_*.py; do m=$${b%.py}; m=$${m//\//.}; echo "== $$m"; $(PY) -m $$m; done
 
 lint: install
-	$(PY) -m pip install --quiet ruff==0.8.4 mypy==1.13.0
+	$(PY) -m pip install --quiet ruff==0.8.4 mypy==1.13.0 import-linter==2.16
 	$(PY) -m ruff check services tests bench
 	$(PY) -m mypy services
+	$(VENV)/bin/lint-imports --no-cache  # the layers contract in pyproject.toml [tool.importlinter]
 
 clean:
 	rm -rf .gyre protos/gyre/v1/*_pb2*.py protos/gyre/v1/*_pb2*.pyi $(PROTO_STAMP)

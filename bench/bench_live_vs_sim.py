@@ -100,7 +100,7 @@ def engine_rates(model_dir: Path) -> dict[str, float]:
 def make_trace(path: Path, rates: dict[str, float], *, steps: int, executions: int, seed: int) -> list:
     from bench.traces.generate import TraceSpec, generate_trace
     from services.scheduler.sim.cost_model import CostModel
-    from services.scheduler.traces import save_trace
+    from services.task.traces import save_trace
 
     # the generator's log-normal spread of sizes (size_sigma 0.8) as given: calibrating the tail share
     # needs far more executions per step than a run of minutes has (p90 is the max below 10)
@@ -251,7 +251,7 @@ def write(out: Path, *, rates: dict, costs: dict, cost: Any, trace_stats: Any, l
 def simulate_and_write(out: Path, trace: list, saved: dict, engines: int, wall_s: float) -> None:
     from services.scheduler.jobs import JobSpec
     from services.scheduler.sim.cost_model import CostModel
-    from services.scheduler.traces import trace_stats
+    from services.task.traces import trace_stats
 
     rates, costs = saved["rates"], saved["costs"]
     max_ctx = max(int(e.prompt_tokens.sum() + e.gen_tokens.sum()) for e in trace)
@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--simulate-only", action="store_true",
                     help="no live runs: simulate again on the live figures and trace kept beside --out")
     args = ap.parse_args()
-    from services.scheduler.traces import load_trace, save_trace
+    from services.task.traces import load_trace, save_trace
     from services.task.model import ensure_builtin_model
 
     out = Path(args.out)

@@ -31,7 +31,7 @@ from services.scheduler.sim.comparison import Comparison, compare
 from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import CellView, ClusterView, Mode, PolicyParams, Role, decide
 from services.scheduler.sim.simulator import simulate
-from services.scheduler.traces import load_trace
+from services.task.traces import load_trace
 
 ROOT = Path(__file__).resolve().parent
 TRACE = ROOT / "traces" / "heavy_tail.jsonl"

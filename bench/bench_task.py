@@ -37,7 +37,7 @@ RESULTS = ROOT / "bench" / "results" / "task.md"
 def horizon_rows() -> list[str]:
     from services.task.agent import AgentConfig, run_execution
     from services.task.demos import DemoNoise, Demonstrator
-    from services.task.harness import common_prefix_len
+    from services.task.gateway_client import common_prefix_len
     from services.task.spec import TaskParams, generate_task
     from services.task.tokenizer import Codec
 

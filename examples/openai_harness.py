@@ -10,7 +10,7 @@ the job's scorer at it, so the reward service calls back here for every executio
 allows it: ``scorer_allowlist = ["external:HARNESS_HOST:PORT"]``, or ``HARNESS_HOST:*``).
 
 It solves the built-in XLong task with a plain chat loop (no compaction or sub-agents; the
-built-in harness in services/task/harness.py shows those):
+built-in harness in services/harness/harness.py shows those):
 
     system  "task modules m1 m2 ..."
     user    "module m1 tests 8 -> 4 8 , ..."      then, per step:

@@ -120,7 +120,7 @@ def harness_spec(*, model: str, concurrency: int, worker_id: str, job_id: str = 
     ``worker_id`` stays the same across the supervisor's restarts, so a restarted harness gives up
     the leases its killed predecessor held at once."""
     job = ["--job-id", job_id] if job_id else []
-    return ServiceSpec("harness", "services.task.harness", "harness", serves=False, extra=tuple(extra),
+    return ServiceSpec("harness", "services.harness", "harness", serves=False, extra=tuple(extra),
                        deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
                                        "--worker-id", worker_id,
                                        "--reward", a["reward"], *job, "--model-dir", model,

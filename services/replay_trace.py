@@ -1,6 +1,6 @@
 """``gyre replay --trace FILE.jsonl [--time-scale X]``: a trace's executions on the live stack.
 
-A scheduler trace (services/scheduler/traces.py, with the per-turn ``agent``, ``role`` and
+A scheduler trace (services/task/traces.py, with the per-turn ``agent``, ``role`` and
 ``compact_to`` fields of docs/replay.md) becomes one job on a stack this command brings up and
 takes down, as ``gyre run`` does (the same services, the same report): the trace's steps are the
 job's steps, each of its executions one execution (a group of one) of the ``trace-v1`` task
@@ -32,7 +32,7 @@ USAGE = "gyre replay --trace FILE.jsonl [--time-scale X] [gyre run flags] [--JOB
 
 def trace_job_args(path: str, time_scale: float) -> list[str]:
     """Job flags that make the trace at ``path`` a job (ValueError: one sentence on what is wrong)."""
-    from services.scheduler.traces import load_trace
+    from services.task.traces import load_trace
 
     trace = load_trace(path)
     per_step = Counter(e.step for e in trace)

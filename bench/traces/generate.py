@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.sim.cost_model import CostModel
-from services.scheduler.traces import TraceExecution, save_trace, trace_stats
+from services.task.traces import TraceExecution, save_trace, trace_stats
 
 
 @dataclass(frozen=True, kw_only=True)

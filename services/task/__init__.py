@@ -1,4 +1,4 @@
-"""Gyre's task families (the built-in XLong family, arith-v1) and the agent harness.
+"""Gyre's task families (the built-in XLong family, arith-v1, ...) and their agents.
 
     registry.py     TaskFamily and the family table: what the scheduler, reward and harness name
                     (light to import: dotted paths, resolved late)
@@ -14,6 +14,10 @@
     model.py        the tiny policy: config, supervised warm start, ensure_builtin_model()
     local_client.py an in-process ModelClient (evaluation, tests)
     evaluate.py     held-out pass rate of a policy through any ModelClient (greedy by default)
-    harness.py      the harness process (gyre-harness): scheduler lease -> gateway calls -> reward
-    config.py       HarnessConfig (TOML [harness], GYRE_HARNESS_*, --flags)
+    runner.py       RunOutcome and RunnerHost: what a family's runner gets from the harness and returns
+    gateway_client.py  GatewayModelClient: a ModelClient over the rollout gateway (TITO gRPC)
+    traces.py       execution traces (JSONL): the trace-v1 family's and the simulator's workload
+
+The harness process that runs these agents for jobs is services/harness (it imports this
+package; nothing here imports it).
 """

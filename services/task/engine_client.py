@@ -3,7 +3,7 @@
 Evaluation without services (``services.task.arith_eval``), benches and tests. Many harness
 threads can call ``generate`` at once; the engine batches them (continuous batching), which is
 what makes a held-out evaluation of dozens of executions affordable on a CPU. The harness's real
-path is the rollout gateway (``services.task.harness.GatewayModelClient``, TITO recorded).
+path is the rollout gateway (``services.task.gateway_client.GatewayModelClient``, TITO recorded).
 """
 
 from __future__ import annotations

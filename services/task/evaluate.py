@@ -1,7 +1,7 @@
 """Held-out evaluation of a policy on the built-in task through any `ModelClient`.
 
     from services.task.evaluate import evaluate
-    from services.task.harness import GatewayModelClient
+    from services.task.gateway_client import GatewayModelClient
     report = evaluate(GatewayModelClient(GatewayClient(addr)), task_ids(100, split="heldout"))
     report.pass_rate, report.mean_reward
 

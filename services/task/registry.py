@@ -7,7 +7,7 @@ A **task family** is everything Gyre knows about one kind of task, by name:
                heldout="services.task.spec:heldout_tasks",      fn(params, n) -> list[bytes]
                scorer="services.task.scoring:score",            fn(files, task_id, status), builtin "xlong-v1"
                other_scorers={"xlong-v1-tests": "services.task.scoring:score_tests"},
-               runner="services.task.families.xlong:run")       what services.task.harness runs
+               runner="services.task.families.xlong:run")       what the harness (services.harness) runs
 
 The scheduler names a family as a job's task generator, the reward service as a builtin scorer and
 the harness by the prefix of a task id (``<family>/...``); none of them imports task code: they
@@ -61,7 +61,7 @@ class TaskFamily:
     family's own (``name``) when it has ``scorer``."""
     runner: str = ""
     """One execution in the built-in harness: ``fn(harness, lease, task_id, *, preserve, cancelled)
-    -> services.task.harness.RunOutcome``; empty when Gyre has no harness for the family."""
+    -> services.task.runner.RunOutcome``; empty when Gyre has no harness for the family."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

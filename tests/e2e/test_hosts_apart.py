@@ -293,7 +293,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
         for h, cell in (("b", "cell-1"), ("c", "cell-2")):
             e = {**per_host[h], **engine_env[h]}
             hosts.start(f"agent-{cell}", h, unit_argv("gyre-cell-agent@.service", e, cell), e)
-        hosts.start("harness", "b", [PY, "-m", "services.task.harness", "--config", str(config), "--scheduler",
+        hosts.start("harness", "b", [PY, "-m", "services.harness", "--config", str(config), "--scheduler",
                                      f"{a}:50050", "--gateway", f"{c}:50060", "--reward", f"{a}:50052",
                                      "--model-dir", str(resolve_model("builtin-tiny")), "--concurrency", "4", "--call-retries", "60"],
                     per_host["b"])

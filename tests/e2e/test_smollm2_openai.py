@@ -32,7 +32,7 @@ from services.rollout.main import _load_tokenizer
 from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
 from services.task import arith
-from services.task.harness import GatewayModelClient
+from services.task.gateway_client import GatewayModelClient
 from tests.support.http_stack import HttpStack, http_stack
 
 torch.set_num_threads(1)

@@ -19,8 +19,9 @@ from services.reward.config import RewardConfig
 from services.reward.main import build_reward
 from services.scheduler.jobs import ExecState, Mode, TaskSource, TimeoutPolicy
 from services.scheduler.orchestrator import Orchestrator
-from services.task.config import HarnessConfig
-from services.task.harness import Harness, common_prefix_len
+from services.harness.config import HarnessConfig
+from services.harness.harness import Harness
+from services.task.gateway_client import common_prefix_len
 from services.task.model import BuiltinModelSpec, ensure_builtin_model
 from services.task.tokenizer import Codec
 from services.trajectory.records import Role

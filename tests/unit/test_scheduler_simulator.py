@@ -21,7 +21,7 @@ from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import Mode, PolicyParams, Role
 from services.scheduler.sim.cli import bench_main
 from services.scheduler.sim.simulator import Simulator, simulate
-from services.scheduler.traces import TraceExecution, load_trace, save_trace, trace_stats
+from services.task.traces import TraceExecution, load_trace, save_trace, trace_stats
 
 ELASTIC = PolicyParams(mode=Mode.ELASTIC)
 COLOCATE = PolicyParams(mode=Mode.COLOCATE)

@@ -12,7 +12,7 @@ import torch
 from services.task import prompts
 from services.task.agent import AgentConfig, CallContext, Generation, Sampling, run_execution
 from services.task.demos import DemoNoise, Demonstrator, training_sequences
-from services.task.harness import common_prefix_len
+from services.task.gateway_client import common_prefix_len
 from services.task.scoring import score_workspace
 from services.task.spec import TaskParams, TaskSpec, generate_task
 from services.task.tokenizer import Codec

@@ -174,7 +174,7 @@ def test_the_harness_runs_the_family_the_task_id_names() -> None:
 
     from services.models.source import SMOLLM2, resolve_model
     from services.task import arith
-    from services.task.harness import Harness, HarnessConfig
+    from services.harness.harness import Harness, HarnessConfig
 
     task_id = "arith-v1/train/4/n3.v10"
     tok = AutoTokenizer.from_pretrained(str(resolve_model(SMOLLM2)), local_files_only=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.traces import load_trace, save_trace
+from services.task.traces import load_trace, save_trace
 from services.task import registry
 from services.task.families.trace import generate, score
 from tests.support.traces import agent_turns, write_trace

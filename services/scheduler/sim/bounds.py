@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.sim.cost_model import CostModel
-from services.scheduler.traces import TraceExecution
+from services.task.traces import TraceExecution
 
 
 @dataclass(frozen=True)

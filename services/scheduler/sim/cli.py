@@ -18,7 +18,7 @@ from dataclasses import MISSING, fields
 
 from services.scheduler.sim.comparison import MODES, Comparison, compare
 from services.scheduler.sim.cost_model import CostModel
-from services.scheduler.traces import load_trace, trace_stats
+from services.task.traces import load_trace, trace_stats
 
 _COST_HELP = {f.name: (f.default, f.type) for f in fields(CostModel)}
 

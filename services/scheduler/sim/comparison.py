@@ -19,7 +19,7 @@ from services.scheduler.sim.bounds import LowerBound, lower_bound
 from services.scheduler.sim.cost_model import CostModel
 from services.scheduler.policy import Mode, PolicyParams
 from services.scheduler.sim.simulator import SimResult, simulate
-from services.scheduler.traces import TraceExecution
+from services.task.traces import TraceExecution
 
 FULL_SWEEP_MAX = 24
 

@@ -30,7 +30,7 @@ from services.scheduler.policy import (
     Action, CellView, ClusterView, Mode, PolicyParams, Role, check_actions, choose_cell, decide,
     effective_staleness_bound,
 )
-from services.scheduler.traces import TraceExecution
+from services.task.traces import TraceExecution
 
 QUEUED, MODEL, ENV, TRANSIT, DONE = range(5)
 EV_CELL, EV_ENV, EV_ARRIVE, EV_SWITCH, EV_TRAIN, EV_PUBLISH, EV_WAKE = range(7)

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 from services.task.registry import TaskFamily
 
 if TYPE_CHECKING:
-    from services.task.harness import Harness, RunOutcome
+    from services.task.runner import RunnerHost, RunOutcome
 
 
-def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
+def run(harness: RunnerHost, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
         cancelled: threading.Event) -> RunOutcome:
     """One execution: ask every turn through the chat template, within the lease's deadline."""
     from services.task.arith import ArithConfig, run_arith_execution, task_from_id
-    from services.task.harness import RunOutcome
+    from services.task.runner import RunOutcome
 
     task = task_from_id(task_id)
     cfg = harness.cfg

@@ -1,6 +1,6 @@
 """``trace-v1``: executions that follow a scheduler trace on the live stack (``gyre replay --trace``).
 
-Each execution of the trace (services/scheduler/traces.py, with the per-turn ``agent``, ``role``
+Each execution of the trace (services/task/traces.py, with the per-turn ``agent``, ``role``
 and ``compact_to`` fields; docs/replay.md) becomes one execution of a job: the built-in harness
 plays its turns against the gateway as an agent harness would, and the trainer trains on what was
 recorded. A turn appends ``prompt_tokens`` fresh token ids (tool output) to its agent's context,
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from services.task.registry import TaskFamily
 
 if TYPE_CHECKING:
-    from services.task.harness import Harness, RunOutcome
+    from services.task.runner import RunnerHost, RunOutcome
 
 NAME = "trace-v1"
 SYSTEM_TOKENS = 32  # the system prompt every agent context starts from
@@ -44,7 +44,7 @@ _cache_lock = threading.Lock()
 
 def _load(path: str) -> list[Any]:
     """The trace at ``path`` (validated), cached by path and modification time."""
-    from services.scheduler.traces import load_trace
+    from services.task.traces import load_trace
 
     p = Path(path)
     try:
@@ -99,13 +99,13 @@ def _turns(e: Any) -> list[dict[str, Any]]:
     return out
 
 
-def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
+def run(harness: RunnerHost, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
         cancelled: threading.Event) -> RunOutcome:
     """Play one execution's turns through the gateway (see the module doc)."""
     import numpy as np
 
     from services.task.agent import CallContext, Sampling
-    from services.task.harness import RunOutcome
+    from services.task.runner import RunOutcome
 
     payload = json.loads(lease.payload)
     turns, scale = payload["turns"], float(payload.get("time_scale", 1.0))

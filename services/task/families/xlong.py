@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 from services.task.registry import TaskFamily
 
 if TYPE_CHECKING:
-    from services.task.harness import Harness, RunOutcome
+    from services.task.runner import RunnerHost, RunOutcome
 
 
-def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
+def run(harness: RunnerHost, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
         cancelled: threading.Event) -> RunOutcome:
     """One execution: the XLong agent with the harness's codec (the built-in tokenizer or model_dir's)."""
     import dataclasses
 
     from services.task.agent import run_execution
-    from services.task.harness import RunOutcome
+    from services.task.runner import RunOutcome
     from services.task.spec import task_from_id
 
     if harness.cfg.loop != "builtin":

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 from services.task.registry import TaskFamily
 
 if TYPE_CHECKING:
-    from services.task.harness import Harness, RunOutcome
+    from services.task.runner import RunnerHost, RunOutcome
 
 
-def run(harness: Harness, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
+def run(harness: RunnerHost, lease: Any, task_id: str, *, preserve: Callable[[dict[str, bytes]], None],
         cancelled: threading.Event) -> RunOutcome:
     """One execution: the built-in tool agent with the served model's tokenizer, or the harness's
     third-party loop (``loop``) against the lease's session base URL."""
-    from services.task.harness import RunOutcome
+    from services.task.runner import RunOutcome
     from services.task.spec import task_from_id
     from services.task.tool_agent import run_tool_execution
 

@@ -1,4 +1,7 @@
-"""Scheduler traces: the JSONL format of DESIGN.md, loaded into per-execution numpy arrays.
+"""Execution traces: the JSONL workload format, loaded into per-execution numpy arrays.
+
+The scheduler's simulator (services/scheduler/sim) plays them offline; the trace-v1 task family
+(services/task/families/trace.py, `gyre replay --trace`) plays them on the live stack.
 
 One execution per line::
 
@@ -27,10 +30,18 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from services.scheduler.sim.cost_model import CostModel
+
+class Speeds(Protocol):
+    """Solo model speeds (services.scheduler.sim.cost_model.CostModel has them)."""
+
+    @property
+    def prefill_tok_s(self) -> float: ...
+    @property
+    def decode_tok_s(self) -> float: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,11 +78,11 @@ class TraceExecution:
     def total_tokens(self) -> int:
         return int(self.prompt_tokens.sum() + self.gen_tokens.sum())
 
-    def model_work_s(self, cost: CostModel) -> np.ndarray:
+    def model_work_s(self, cost: Speeds) -> np.ndarray:
         """Solo seconds of each turn's model call (prefill + decode, alone on a cell)."""
         return self.prompt_tokens / cost.prefill_tok_s + self.gen_tokens / cost.decode_tok_s
 
-    def solo_latency_s(self, cost: CostModel) -> float:
+    def solo_latency_s(self, cost: Speeds) -> float:
         """Wall time alone on a cell: every model call at full speed plus all tool time."""
         latency = float(self.model_work_s(cost).sum() + self.env_s.sum())
         return min(latency, self.timeout_s) if self.timeout_s is not None else latency
@@ -226,7 +237,7 @@ class TraceStats:
     env_share: float  # tool time / solo latency, over all executions
 
 
-def trace_stats(executions: Sequence[TraceExecution], cost: CostModel) -> TraceStats:
+def trace_stats(executions: Sequence[TraceExecution], cost: Speeds) -> TraceStats:
     lat = np.array([e.solo_latency_s(cost) for e in executions])
     steps = np.array([e.step for e in executions])
     n_steps = int(steps.max()) + 1
