@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import gyre
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -60,10 +61,7 @@ def _until_running(data: Path, job_id: str, timeout_s: float = 120.0) -> None:
     from services.scheduler.client import SchedulerClient
 
     with SchedulerClient(_state(data)["services"]["scheduler"]["address"]) as c:
-        deadline = time.monotonic() + timeout_s
-        while c.get_job(job_id).running == 0:
-            assert time.monotonic() < deadline, "no execution of the job started"
-            time.sleep(0.05)
+        wait_until(lambda: c.get_job(job_id).running != 0, timeout_s, "an execution of the job to start")
 
 
 def _records_match_calls(data: Path, job_id: str, executions: set[str]) -> None:
@@ -132,19 +130,24 @@ def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, in
     raise AssertionError("the job ended before any trainer replica joined a step")
 
 
-def _restarted(data: Path, victim: str, before: int, timeout_s: float = 180.0) -> tuple[bool, dict]:
-    """(whether the supervisor has ``victim`` running again under a new pid, and serving; status)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+def _restarted(data: Path, victim: str, before: int, timeout_s: float = 180.0) -> dict:
+    """The status once the supervisor has ``victim`` running again under a new pid, and serving
+    (an AssertionError with the last status after ``timeout_s``)."""
+    status: dict = {}
+
+    def back() -> bool:
+        nonlocal status
         status = json.loads(gyre(data, "status", "--json").stdout)
         if victim == "redis":
-            back = _pid(data, "redis") != before
-        else:
-            svc = status["services"][victim]
-            back = svc["pid"] != before and svc["restarts"] >= 1 and svc["alive"] and (svc["serving"] or not svc["address"])
-        if back or time.monotonic() > deadline:
-            return back, status
-        time.sleep(0.5)
+            return _pid(data, "redis") != before
+        svc = status["services"][victim]
+        return svc["pid"] != before and svc["restarts"] >= 1 and svc["alive"] and (svc["serving"] or not svc["address"])
+
+    try:
+        wait_until(back, timeout_s, f"{victim} running again under a new pid, and serving", poll_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {status}") from None
+    return status
 
 
 def _cells(data: Path) -> dict[str, dict]:
@@ -153,10 +156,8 @@ def _cells(data: Path) -> dict[str, dict]:
 
 def _cordon_a_rollout_cell(data: Path) -> str:
     """Cordon a cell that rolls out now (waiting for the job's policy to give it one)."""
-    deadline = time.monotonic() + 120
-    while not (rolling := [c for c, v in _cells(data).items() if v["role"] == "rollout" and not v["core"]]):
-        assert time.monotonic() < deadline, "no cell rolls out for the job"
-        time.sleep(0.2)
+    rolling = wait_until(lambda: [c for c, v in _cells(data).items() if v["role"] == "rollout" and not v["core"]],
+                         120, "a cell to roll out for the job", poll_s=0.2)
     gyre(data, "cordon", rolling[0], "--reason", "crash test: a replica for this cell")
     return rolling[0]
 
@@ -169,11 +170,14 @@ def _switches_again(data: Path, before: int, job_id: str) -> None:
     time the agent is back), a second job is submitted to drive the switch, and waited for."""
     from services.scheduler.client import SchedulerClient
 
-    assert _restarted(data, "cell-1", before)[0]
-    deadline = time.monotonic() + 120
-    while (role := _cells(data)["cell-1"]["role"]) == "switching":  # a switch from before the kill
-        assert time.monotonic() < deadline, "cell-1 stays mid-switch"
-        time.sleep(0.2)
+    _restarted(data, "cell-1", before)
+    deadline = time.monotonic() + 120  # the switch below gets what this wait leaves (a second job: 120 s anew)
+
+    def settled() -> str | None:  # a switch from before the kill
+        role = _cells(data)["cell-1"]["role"]
+        return None if role == "switching" else role
+
+    role = wait_until(settled, 120, "cell-1 to end its switch from before the kill", poll_s=0.2)
     cordon, target = ("cell-1", "train") if role == "rollout" else ("cell-2", "rollout")
     gyre(data, "cordon", cordon, "--reason", "crash test: switch cell-1 again")
     extra = ""
@@ -270,8 +274,7 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
         assert _pid_of_replica(replica_id) is None
         return
     # the job may end before the supervisor has the process serving again (a model load): wait for that
-    back, status = _restarted(stack, victim, before)
-    assert back, status
+    status = _restarted(stack, victim, before)
     assert status["failed"] == {}
     scheduler_log = [json.loads(line) for line in (stack / "logs" / "scheduler.log").read_text(errors="replace")
                      .splitlines() if line.startswith("{")]

@@ -13,13 +13,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli import gyre
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -93,11 +93,9 @@ def test_the_external_harness_example_runs_a_submitted_job_and_it_is_trained(sta
     # the gateway keeps no per-execution state past an execution's end: its delta encoder drops
     # the job's four ended executions and holds nothing more
     port = status(stack)["services"]["gateway"]["metrics_port"]
-    deadline = time.monotonic() + 120
-    while (_gauge(port, "gyre_gateway_tito_forgotten_executions_total") or 0) < 4 or \
-            _gauge(port, "gyre_gateway_tito_encoder_tokens") != 0.0:
-        assert time.monotonic() < deadline, "the gateway still holds state of ended executions"
-        time.sleep(0.5)
+    wait_until(lambda: (_gauge(port, "gyre_gateway_tito_forgotten_executions_total") or 0) >= 4
+               and _gauge(port, "gyre_gateway_tito_encoder_tokens") == 0.0,
+               120, "the gateway to drop the state of ended executions", poll_s=0.5)
 
 
 @pytest.mark.timeout(900)

@@ -12,7 +12,6 @@ in-process resume; this is the service itself, killed and restarted as an operat
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,19 +56,19 @@ def _kill_during(trainer: ServiceProcess, client: TrainerClient, root: Path, whe
     """SIGKILL the trainer while it trains a step (``where='step'``) or writes a checkpoint (a new
     tmp dir appeared); returns the tmp dirs that appeared since the call."""
     before = _torn(root)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def in_phase() -> bool:
         if where == "checkpoint":
-            if _torn(root) - before:
-                trainer.kill()
-                return _torn(root) - before
-        else:
-            status = client.status()
-            if status.phase == "training" and status.step >= 1:
-                trainer.kill()
-                return _torn(root) - before
-        time.sleep(0.001)
-    raise AssertionError(f"never saw the trainer in its {where} phase:\n{trainer.tail()}")
+            return bool(_torn(root) - before)
+        status = client.status()
+        return status.phase == "training" and status.step >= 1
+
+    try:
+        wait_until(in_phase, timeout_s, f"the trainer in its {where} phase", poll_s=0.001)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{trainer.tail()}") from None
+    trainer.kill()
+    return _torn(root) - before
 
 
 def _resume(trainer: ServiceProcess, root: Path) -> tuple[TrainerClient, int]:
@@ -159,9 +158,10 @@ def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_pat
                          checkpoint_dir=str(tmp_path / "ck"))
         with TrainerClient(trainer.address, timeout_s=60) as client:
             client.start_job(job)
-            deadline = time.monotonic() + 120
-            while tc.step_plan(JOB, 0).num_acked < 1:  # kill right after the first acknowledged batch
-                assert time.monotonic() < deadline, trainer.tail()
+            try:  # kill right after the first acknowledged batch
+                wait_until(lambda: tc.step_plan(JOB, 0).num_acked >= 1, 120, "the first acknowledged batch", poll_s=0)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}:\n{trainer.tail()}") from None
             trainer.kill()
         at_kill = tc.step_plan(JOB, 0)
         if at_kill.num_acked == at_kill.num_micro_batches:

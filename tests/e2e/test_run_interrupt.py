@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.launcher import REPO
+from tests.support.waiting import wait_until
 
 
 def _alive(pid: int) -> bool:
@@ -37,10 +38,11 @@ def test_two_sigterms_mid_run_still_stop_every_service(tmp_path: Path) -> None:
              "--data-dir", str(tmp_path / "data"), "--report-dir", str(tmp_path / "report")],
             cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        deadline = time.monotonic() + 240
-        while "harness     worker" not in out.read_text() and proc.poll() is None:
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.2)
+        try:  # the harness worker started, or the run ended
+            wait_until(lambda: "harness     worker" in out.read_text() or proc.poll() is not None, 240,
+                       "the harness worker to start", poll_s=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{out.read_text()}") from None
         assert proc.poll() is None, out.read_text()
         pids = [int(p) for p in re.findall(r"\bpid (\d+)", out.read_text())]
         assert len(pids) >= 8 and all(_alive(p) for p in pids)

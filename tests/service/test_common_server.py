@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -13,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.server import build_server, wait_for_ready
+from tests.support.waiting import wait_until
 
 
 def _health(address: str, service: str = "") -> int:
@@ -48,11 +48,13 @@ def test_sigterm_stops_gracefully(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tests.support.bare_server", str(port_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not port_file.exists() or not port_file.read_text():
+        def port_written() -> bool:
+            if port_file.exists() and port_file.read_text():
+                return True
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+            return False
+
+        wait_until(port_written, 30, "the server to write its port")
         wait_for_ready(f"127.0.0.1:{port_file.read_text()}", timeout_s=10)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)

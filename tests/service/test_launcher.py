@@ -7,21 +7,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 from services.common.server import wait_for_ready
 from services.launcher import DEFAULT_CONFIG, Launcher, ServiceSpec
 from services.supervisor import RestartPolicy, Supervisor
-
-
-def _until(cond, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got or time.monotonic() > deadline:
-            return got
-        time.sleep(0.05)
+from tests.support.waiting import wait_until
 
 
 def test_a_killed_service_is_restarted_on_its_address_until_its_budget_is_spent(tmp_path: Path) -> None:
@@ -36,7 +27,7 @@ def test_a_killed_service_is_restarted_on_its_address_until_its_budget_is_spent(
         assert sup.check() == [] and sup.failed() == {}
         address = up["reward"].address
         os.kill(up["reward"].pid, signal.SIGKILL)
-        assert _until(lambda: sup.check()) == ["reward"]  # the trajectory service still runs
+        assert wait_until(sup.check, 60, "the killed service to be restarted") == ["reward"]  # trajectory still runs
         status = launcher.status()["services"]
         assert status["reward"]["restarts"] == 1 and status["reward"]["address"] == address
         assert status["reward"]["serving"] and status["reward"]["pid"] != up["reward"].pid
@@ -44,7 +35,7 @@ def test_a_killed_service_is_restarted_on_its_address_until_its_budget_is_spent(
         # the exit status, when this process still could reap it (Popen may have reaped it first)
         assert re.match(r"reward (killed by SIGKILL|exited); restarted \(pid \d+, restart 1", lines[-1]), lines
         os.kill(status["reward"]["pid"], signal.SIGKILL)  # a second death: past the budget of 1
-        assert _until(lambda: sup.check() == [] and sup.failed())
+        wait_until(lambda: sup.check() == [] and sup.failed(), 60, "the service to be left down past its budget")
         failed = sup.failed()
         assert list(failed) == ["reward"] and "restart budget" in failed["reward"]["reason"]
         assert "serving" in failed["reward"]["log_tail"]  # the tail of its log, for the operator

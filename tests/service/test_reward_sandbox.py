@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from services.reward.sandbox import SandboxSpec, ScorerPool
 from services.reward.scorers import ScoreInput, ScorerError, ScorerSpec
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE = "tests.support.hostile_scorers"
@@ -109,10 +109,16 @@ def test_fork_bombs_and_endless_loops_are_cut_and_leave_nothing(pool: ScorerPool
     _still_scores(pool)
     if os.geteuid() == 0:  # the killed worker's sandbox is gone with everything it forked
         live = {w.proc.pid for w in pool._all}  # noqa: SLF001 - the pool's own live workers
-        deadline = time.monotonic() + 30
-        while len(_sandbox_processes()) > 2 * len(live):  # each live worker: its init and itself
-            assert time.monotonic() < deadline, _sandbox_processes()
-            time.sleep(0.1)
+        left: list[int] = []
+
+        def gone() -> bool:  # each live worker: its init and itself
+            left[:] = _sandbox_processes()
+            return len(left) <= 2 * len(live)
+
+        try:
+            wait_until(gone, 30, "the killed worker's sandbox processes to go", poll_s=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {left}") from None
 
 
 def test_huge_output_answer_and_files_are_cut(pool: ScorerPool) -> None:

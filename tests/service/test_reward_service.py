@@ -4,7 +4,6 @@ server, and outcomes reported to a real trajectory service."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from services.task.spec import TaskParams, task_from_id, task_ids
 from services.trajectory.client import TrajectoryClient
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.main import build_trajectory
+from tests.support.waiting import wait_until
 
 ME = "tests.service.test_reward_service"
 REPO = Path(__file__).resolve().parents[2]
@@ -307,12 +307,11 @@ def test_unreported_outcome_is_reported_on_the_next_score(reward, redis_url: str
     assert not r.outcome_reported and r.state == "ok"  # trajectory is down: score kept, report pending
     tserver = _trajectory_server(redis_url, tmp_path, port)
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        def reported() -> Any:  # scoring again is what reports the pending outcome
             again = client.score("job", "e-late", "finished")
-            if again.outcome_reported or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+            return again if again.outcome_reported else None
+
+        again = wait_until(reported, 30, "a score that reports the pending outcome", poll_s=0.5)
         assert again.duplicate and again.outcome_reported
     finally:
         tserver.stop(0)
@@ -333,10 +332,8 @@ def test_an_outcome_scored_while_trajectory_is_down_is_delivered_without_another
     assert not r.outcome_reported and r.state == "ok"
     tserver = _trajectory_server(redis_url, tmp_path, port)
     try:
-        deadline = time.monotonic() + 60
-        while not client.get_score("e-owed").outcome_reported:  # GetScore reads; it reports nothing
-            assert time.monotonic() < deadline, "the owed outcome was never reported"
-            time.sleep(0.1)
+        wait_until(lambda: client.get_score("e-owed").outcome_reported,  # GetScore reads; it reports nothing
+                   60, "the owed outcome to be reported", poll_s=0.1)
         with TrajectoryClient(tserver.address) as traj:
             dup, _ = traj.complete_execution(Outcome(execution_id="e-owed", group_id="g", status="finished",
                                                      reward=r.reward, step=0, job_id="job"))

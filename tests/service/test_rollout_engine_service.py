@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,6 +12,7 @@ from services.rollout.calls import CallMeta
 from services.rollout.client import EngineClient, collect
 from services.rollout.engine import SamplingParams
 from tests.support.rollout_cluster import LocalEngine, start_engine, varied_tiny_model
+from tests.support.waiting import wait_until
 
 torch.set_num_threads(1)
 PROMPT = np.random.default_rng(1).integers(0, 512, 32).astype(np.int32)
@@ -31,10 +31,7 @@ def engine() -> Iterator[tuple[LocalEngine, EngineClient]]:
 
 
 def wait_idle(client: EngineClient, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.get_load().active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert client.get_load().active == 0
+    wait_until(lambda: client.get_load().active == 0, timeout_s, "the engine to be idle")
 
 
 def test_resume_continues_exactly_where_the_tokens_stop(engine: tuple[LocalEngine, EngineClient]) -> None:
@@ -98,9 +95,7 @@ def test_update_weights_installs_a_new_version(engine: tuple[LocalEngine, Engine
     weights = dict(new_model.named_parameters())
     resp = client.update_weights(weights, version=1, chunk_bytes=10_000)
     assert resp.weight_version == 1 and resp.num_tensors == len(weights)
-    deadline = time.monotonic() + 10
-    while client.get_load().weight_version != 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: client.get_load().weight_version == 1, 10, "the engine to serve weight version 1")
     after = client.generate("v1", CallMeta(), PROMPT, GREEDY)
     assert after.weight_version == 1
     with torch.no_grad():

@@ -3,7 +3,6 @@ leaves the engine serving its model; a busy engine refuses; an idle one switches
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -15,6 +14,7 @@ from services.common.server import build_server
 from services.rollout.host import EngineHost
 from services.rollout.servicer import EngineServicer
 from services.rollout.torch_engine import TorchEngine, build_tiny_model
+from tests.support.waiting import wait_until
 
 torch.set_num_threads(1)
 Code = grpc.StatusCode
@@ -71,17 +71,11 @@ def test_bad_models_are_refused_and_the_engine_keeps_serving(engine: tuple) -> N
 def test_a_busy_engine_refuses_and_an_idle_one_loads(engine: tuple) -> None:
     stub, host = engine
     stream = stub.GenerateStream(_gen(max_new_tokens=900), timeout=120)
-    deadline = time.monotonic() + 60
-    while not host.engine.active_requests():
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.01)
+    wait_until(lambda: host.engine.active_requests(), 60, "the request to start")
     code, msg = _refused(stub, "other-tiny")
     assert code == Code.FAILED_PRECONDITION and "hosts 1 requests" in msg
     stream.cancel()
-    deadline = time.monotonic() + 60
-    while host.engine.active_requests():
-        assert time.monotonic() < deadline, "the cancelled request is still hosted"
-        time.sleep(0.01)
+    wait_until(lambda: not host.engine.active_requests(), 60, "the cancelled request to be let go")
     res = stub.LoadModel(rollout_pb2.LoadModelRequest(model="other-tiny"), timeout=60)
     assert res.changed and res.model == "other-tiny"
     assert stub.GetLoad(rollout_pb2.GetLoadRequest()).model == "other-tiny"

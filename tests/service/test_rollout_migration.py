@@ -16,6 +16,7 @@ from services.rollout.calls import CallMeta, MigrationReport, Piece
 from services.rollout.client import EngineClient, GatewayClient, collect
 from services.rollout.engine import SamplingParams
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
+from tests.support.waiting import wait_until
 
 torch.set_num_threads(1)
 PROMPT = np.random.default_rng(0).integers(0, 512, 48).astype(np.int32)
@@ -54,13 +55,9 @@ def register_all(gw: LocalGateway, engines: dict[str, LocalEngine]) -> GatewayCl
 
 
 def busy_cell(client: GatewayClient, timeout_s: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = [e.cell_id for e in client.list_engines() if e.in_flight > 0]
-        if busy:
-            return busy[0]
-        time.sleep(0.005)
-    raise AssertionError("no engine has the call in flight")
+    busy = wait_until(lambda: [e.cell_id for e in client.list_engines() if e.in_flight > 0], timeout_s,
+                      "an engine with the call in flight", poll_s=0.005)
+    return busy[0]
 
 
 def stream_and_drain(client: GatewayClient, meta: CallMeta, prompt: np.ndarray, params: SamplingParams,

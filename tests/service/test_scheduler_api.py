@@ -12,6 +12,7 @@ from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArg
 from services.scheduler.jobs import ExecState, JobState, Mode, Role
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
+from tests.support.waiting import wait_until
 
 
 class NoActuator:
@@ -138,10 +139,7 @@ def test_last_expired_lease_is_scored_as_timeout_once_the_reward_service_answers
     assert ex.state is ExecState.TIMEOUT and "last allowed attempt" in ex.reason
 
     def settle() -> None:  # the outbox is sent off the tick
-        deadline = time.monotonic() + 10
-        while orch._scoring is None or not orch._scoring.done():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: orch._scoring is not None and orch._scoring.done(), 10, "the outbox to be sent")
         orch._scoring = None
 
     settle()

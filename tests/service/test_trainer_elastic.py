@@ -54,6 +54,7 @@ from services.trainer.job import TrainerJob
 from services.trainer.main import TRAINER_SERVICE
 from services.trainer.servicer import TrainerServicer
 from services.trainer.spawn import ReplicaProcesses
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "synthetic:seed=3,executions=12,tokens=45,depth=1,branching=2,context=6,generated=6,root=10"
@@ -70,14 +71,6 @@ def _reference() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]
     core.start(_job("ref"), background=False)
     metrics = [core.run_step().metrics for _ in range(STEPS)]
     return [core.weights.get(v) for v in range(1, STEPS + 1)], metrics
-
-
-def _wait(pred, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _count(store, key: str) -> int:
@@ -124,30 +117,30 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         assert client.wait_step(0, timeout_s=60).finished
 
         # Step 1: A joins while the core waits at the hold, before any micro-batch.
-        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 1, 90, "core to block in step 1")
         added = client.add_replica("cell-a", switch_id="sw1", wait_s=120)
         assert added.step == 1 and added.pid == warm[0]  # the warm process took the cell
         assert replicas.warm_pids() == []  # the pool's one process is busy (it comes back when A ends)
-        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 2, 90, "replica A to block in step 1")
         store.set(f"{prefix}/release/1", "1")
         r1 = client.wait_step(1, timeout_s=90)
         assert r1.finished and r1.metrics["world_size"] == 2
 
         # Step 2: core and A take 2 batches and block; B joins mid-step.
-        _wait(lambda: _count(store, f"{prefix}/waiting/2") >= 2, "core and A to block in step 2")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/2") >= 2, 90, "core and A to block in step 2")
         b_proc = _replica_process("cell-b", "rep-b", address, tmp_path)
         hosted = client.add_replica("cell-b", switch_id="sw2", wait_s=60, hosted=True)
         assert (hosted.replica_id, hosted.step) == ("rep-b", 2)
         with pytest.raises(FailedPrecondition, match="no replica of cell 'cell-z' joined"):
             client.add_replica("cell-z", switch_id="sw3", wait_s=0.2, hosted=True)
-        _wait(lambda: _count(store, f"{prefix}/waiting/2") >= 3, "replica B to block in step 2")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/2") >= 3, 90, "replica B to block in step 2")
         store.set(f"{prefix}/release/2", "1")
         r2 = client.wait_step(2, timeout_s=90)
         assert r2.finished and r2.metrics["world_size"] == 3
         assert _count(store, f"{prefix}/acked/2/rep-b") >= 1
 
         # Step 3: B is told to go mid-step (it hands its gradient sum off and exits); A dies.
-        _wait(lambda: _count(store, f"{prefix}/waiting/3") >= 3, "three consumers to block in step 3")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/3") >= 3, 90, "three consumers to block in step 3")
         a_replica = replicas.get("cell-a")
         # what A took: trained (a gradient that dies with it) and the batch it is blocked on
         a_took = [x for x in store.get(f"{prefix}/taken/3/{a_replica.replica_id}").decode().split(",") if x]
@@ -164,10 +157,10 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         assert b_proc.wait(timeout=60) == 0
 
         # Step 4: C joins, takes a batch and dies; only its silence tells the core.
-        _wait(lambda: _count(store, f"{prefix}/waiting/4") >= 1, "core to block in step 4")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/4") >= 1, 90, "core to block in step 4")
         c_proc = _replica_process("cell-c", "rep-c", address, tmp_path)
         assert client.add_replica("cell-c", switch_id="sw4", wait_s=60, hosted=True).step == 4
-        _wait(lambda: _count(store, f"{prefix}/waiting/4") >= 2, "replica C to take a batch in step 4")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/4") >= 2, 90, "replica C to take a batch in step 4")
         c_proc.kill()
         c_proc.wait(timeout=30)
         store.set(f"{prefix}/release/4", "1")
@@ -225,7 +218,7 @@ def _pool_core(tmp_path: Path, job_id: str) -> Iterator[_Pool]:
         client.start_job(TrainerJob(job_id=job_id, model="tiny", source=SOURCE, num_steps=2, seed=7,
                                     attention="sdpa"))
         assert client.wait_step(0, timeout_s=60).finished
-        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 1, 90, "core to block in step 1")
         yield _Pool(replicas, client, store, prefix, pid)
     finally:
         replicas.stop_all()
@@ -243,7 +236,7 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
         replicas, client, store, prefix, pid = pool.replicas, pool.client, pool.store, pool.prefix, pool.pid
         a = client.add_replica("cell-a", switch_id="s1", wait_s=120)
         assert (a.pid, a.step) == (pid, 1)
-        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 2, "replica A to block in step 1")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 2, 90, "replica A to block in step 1")
         # the cell is given back while A waits in the store (the test hook's hold, where no signal
         # handler runs): once the hold opens, A trains that batch, hands its gradient off and is free
         signalled = threading.Event()
@@ -267,7 +260,7 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
         r1 = client.wait_step(1, timeout_s=90)
         assert r1.finished and r1.metrics["handed_off"] == 1
         # the job's end releases B too: its process is back in the pool, again not gone
-        _wait(lambda: replicas.alive(b.replica_id) is False, "replica B to end with the job")
+        wait_until(lambda: replicas.alive(b.replica_id) is False, 90, "replica B to end with the job")
         assert pid in replicas.warm_pids()
         log = (tmp_path / "replica-warm.log").read_text()
         assert log.count("warm replica assigned") == 2
@@ -319,7 +312,7 @@ def test_a_replica_gone_after_the_seal_costs_seconds_not_the_collective_timeout(
     try:
         client.start_job(_job("ghost"))
         assert client.wait_step(0, timeout_s=60).finished
-        _wait(lambda: _count(store, f"{prefix}/waiting/1") >= 1, "core to block in step 1")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 1, 90, "core to block in step 1")
         ticket, _, _ = client.join_step("ghost-1", "cell-g")
         assert ticket.step == 1
         sealed: dict[str, object] = {}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from tests.support.waiting import wait_until
+
 
 class Cordoner:
     def __init__(self, attempts: int = 4, timeout_s: float = 300.0) -> None:
@@ -70,9 +72,9 @@ class Cordoner:
                     sched.cordon_cell(cell, reason="e2e: drain a busy cell")
                     self.cordons += 1
                     try:
-                        while not self._stop.is_set() and _role(sched, cell) != "train":
-                            assert time.monotonic() < deadline, f"cordoned {cell} did not move to training"
-                            self._stop.wait(0.1)
+                        wait_until(lambda: self._stop.is_set() or _role(sched, cell) == "train",
+                                   max(0.0, deadline - time.monotonic()), f"cordoned {cell} to move to training",
+                                   poll_s=0.1)
                     finally:
                         sched.cordon_cell(cell, cordoned=False)
                     self.migrated = sum(int(e.attrs.get("migrated", "0")) for e in sched.watch(job_id, follow=False)

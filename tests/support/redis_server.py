@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 
 from services.common.server import free_port
+from tests.support.waiting import wait_until
 
 
 class RedisServer:
@@ -37,18 +37,23 @@ class RedisServer:
              "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
+        proc = self.proc
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        while time.monotonic() < deadline:
+
+        def answers() -> bool:
             try:
-                client.ping()
-                client.close()
-                return self
+                return bool(client.ping())
             except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}") from None
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not answer within 10s")
+                if proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}") from None
+                return False
+
+        try:
+            wait_until(answers, 10, "redis-server to answer")
+        except AssertionError:
+            raise RuntimeError("redis-server did not answer within 10s") from None
+        client.close()
+        return self
 
     def stop(self, *, kill: bool = False) -> None:
         if self.proc is None:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from services.rollout.host import EngineHost
 from services.rollout.router import Router
 from services.rollout.servicer import EngineServicer, GatewayServicer
 from services.rollout.torch_engine import TorchEngine, build_tiny_model
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_CONTEXT = 1024
@@ -127,12 +127,14 @@ class EngineProcess:
     port_file: Path
 
     def wait_ready(self, timeout_s: float = 180.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not self.port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"engine {self.cell_id} did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
+        try:  # its port file, or its end
+            wait_until(lambda: self.port_file.exists() or self.proc.poll() is not None, timeout_s,
+                       f"engine {self.cell_id} to write its port file", poll_s=0.1)
+        except AssertionError:
+            pass  # reported below, as an end is
+        if not self.port_file.exists():
+            self.kill()
+            raise RuntimeError(f"engine {self.cell_id} did not start:\n{self.log_path.read_text()[-3000:]}")
         self.address = f"127.0.0.1:{json.loads(self.port_file.read_text())['port']}"
         return self.address
 

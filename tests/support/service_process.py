@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.security import Security, open_channel
+from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:
     from services.launcher import ServiceSpec
@@ -95,21 +96,24 @@ class ServiceProcess:
                                          env=child_env(self.env), start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 120.0, *, security: Security | None = None) -> "ServiceProcess":
-        deadline = time.monotonic() + timeout_s
-        while not self.port_file.exists():
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode} at start:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} wrote no port file within {timeout_s:.0f}s:\n{self.tail()}")
-            time.sleep(0.05)
+        deadline = time.monotonic() + timeout_s  # one cap for both waits
+        proc = self.proc
+        assert proc is not None
+        try:  # its port file, or its end
+            wait_until(lambda: self.port_file.exists() or proc.poll() is not None, timeout_s,
+                       f"{self.name} to write its port file")
+        except AssertionError:
+            raise AssertionError(f"{self.name} wrote no port file within {timeout_s:.0f}s:\n{self.tail()}") from None
+        if not self.port_file.exists():
+            raise AssertionError(f"{self.name} exited with {proc.returncode} at start:\n{self.tail()}")
         info = json.loads(self.port_file.read_text())
         self.port = int(info["port"])
         self.metrics_port = info.get("metrics_port")
-        while health(self.address, security=security) != health_pb2.HealthCheckResponse.SERVING:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} is not SERVING after {timeout_s:.0f}s:\n{self.tail()}")
-            time.sleep(0.1)
+        try:
+            wait_until(lambda: health(self.address, security=security) == health_pb2.HealthCheckResponse.SERVING,
+                       max(0.0, deadline - time.monotonic()), f"{self.name} to be SERVING", poll_s=0.1)
+        except AssertionError:
+            raise AssertionError(f"{self.name} is not SERVING after {timeout_s:.0f}s:\n{self.tail()}") from None
         return self
 
     def alive(self) -> bool:

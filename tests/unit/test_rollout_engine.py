@@ -13,6 +13,7 @@ from services.common.errors import FailedPrecondition, NotFound
 from services.rollout.engine import GenRequest, MigrationState, SamplingParams, TokenEvent
 from services.rollout.sampling import pack_rng_state
 from services.rollout.torch_engine import TorchEngine, build_tiny_model
+from tests.support.waiting import wait_until
 
 VOCAB = 512
 torch.set_num_threads(1)
@@ -424,11 +425,7 @@ def test_full_state_dict_with_tied_embeddings_installs() -> None:
         events = []
         engine.submit(GenRequest(request_id="r", prompt_ids=np.array([1, 2, 3], dtype=np.int32),
                                  params=SamplingParams(temperature=0.0, max_new_tokens=3)), events.append)
-        import time
-
-        deadline = time.monotonic() + 30
-        while not (events and events[-1].finished) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: events and events[-1].finished, 30, "the request to finish")
         assert events[-1].finished and events[-1].finish_reason == "length" and events[-1].weight_version == 1
     finally:
         engine.stop()

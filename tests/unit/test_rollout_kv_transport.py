@@ -6,8 +6,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 
 from services.rollout import kv_transport
 from services.rollout.engine import GenRequest, MigrationState, SamplingParams
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,13 +125,6 @@ def test_refused_state_raises_and_dead_receiver_is_transport_error() -> None:
         kv_transport.send_state("tcp", address, _state(layers=1, tokens=600))
 
 
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_a_sender_dying_mid_transfer_leaves_the_receiver_serving() -> None:
     """A crashed engine mid-migration (UCX peer error handling off): the receiver sees its control
     connection close, abandons the transfer, frees the receives it had posted for the arrays that
@@ -150,8 +142,8 @@ def test_a_sender_dying_mid_transfer_leaves_the_receiver_serving() -> None:
         assert ucx.receiving == 1  # its first array arrived; the receiver waits for the rest
         dying.kill()
         dying.wait()
-        _wait(lambda: aborted._value.get() > before, "the receiver did not notice its sender died")
-        _wait(lambda: ucx.receiving == 0, "the dead transfer's posted receives were not completed")
+        wait_until(lambda: aborted._value.get() > before, 60, "the receiver to notice its sender died")
+        wait_until(lambda: ucx.receiving == 0, 60, "the dead transfer's posted receives to be completed")
         assert got.empty()  # nothing half-received was delivered
         # the same receiver goes on: a migration from another process arrives whole
         peer = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", "ucx", mine], cwd=ROOT,
