@@ -169,8 +169,8 @@ def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_tur
     import shutil
     import signal
     import subprocess
-    import tempfile
 
+    from services.common.children import scratch_dir, tied
     from services.task.agent import ExecutionCancelled
     from services.task.clis import MINI_SWE_AGENT, pip_cli
     from services.task.tool_shell import SHELL_INSTRUCTIONS, TaskSocket, answer, install_client, shell_task_message
@@ -188,7 +188,7 @@ def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_tur
         except ExecutionCancelled:  # the wait below sees the cancellation and ends the run
             return "error : the execution was cancelled"
 
-    root = Path(tempfile.mkdtemp(prefix="gyre-mini-"))
+    root = scratch_dir("gyre-mini-")  # a killed harness's are swept here
     work, bin_dir = root / "work", root / "bin"
     work.mkdir()
     install_client(bin_dir)
@@ -212,7 +212,8 @@ def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_tur
            "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
            "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
     log_file = open(root / "mini.log", "wb")  # noqa: SIM115 -- closed in the finally below
-    proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+    # tied: the CLI dies with this thread's process, even by SIGKILL (its sandboxes die with it)
+    proc = subprocess.Popen(tied(argv), cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                             start_new_session=True)
     deadline = time.monotonic() + timeout_s
     try:
