@@ -29,7 +29,8 @@ from bench.traces.generate import TraceSpec, generate_trace
 from services.scheduler.sim.bounds import lower_bound
 from services.scheduler.sim.comparison import Comparison, compare
 from services.scheduler.sim.cost_model import CostModel
-from services.scheduler.policy import CellView, ClusterView, Mode, PolicyParams, Role, decide
+from services.scheduler.policy import CellView, ClusterView, Mode, PolicyParams, decide
+from services.common.roles import CellRole
 from services.scheduler.sim.simulator import simulate
 from services.task.traces import load_trace
 
@@ -120,9 +121,9 @@ def _views(rng: np.random.Generator) -> dict[str, tuple[ClusterView, int]]:
             np.repeat([1, 2, 3], (n_cells - 1) // 3 + 1)[: n_cells - 1]))
         scale = 10_000 / sum(inflight)
         inflight = [min(slots, max(0, int(round(x * scale)))) for x in inflight]
-        cells = [CellView(cell_id="core", role=Role.TRAIN, is_core=True, inflight=0, kv_used_tokens=0,
+        cells = [CellView(cell_id="core", role=CellRole.TRAIN, is_core=True, inflight=0, kv_used_tokens=0,
                           kv_capacity_tokens=slots * kv)]
-        cells += [CellView(cell_id=f"c{i:05d}", role=Role.ROLLOUT, is_core=False, inflight=n, kv_used_tokens=n * kv,
+        cells += [CellView(cell_id=f"c{i:05d}", role=CellRole.ROLLOUT, is_core=False, inflight=n, kv_used_tokens=n * kv,
                            kv_capacity_tokens=slots * kv) for i, n in enumerate(inflight)]
         running = sum(inflight)
         view = ClusterView(now_s=0.0, step=3, weight_version=3, cells=tuple(cells), queued=0, running=running,

@@ -210,7 +210,7 @@ def commands(r: redis.Redis) -> dict[str, int]:
 
 def bench_decisions(url: str) -> dict[str, object]:
     from services.common.redis_store import connect
-    from services.scheduler.jobs import Role
+    from services.common.roles import CellRole
     from services.scheduler.orchestrator import Orchestrator
     from services.scheduler.policy import decide
     from services.scheduler.state import SchedulerState
@@ -221,14 +221,14 @@ def bench_decisions(url: str) -> dict[str, object]:
     big_job(state, "big", 100, 100)
     for _ in range(10_000):
         assert state.lease(["big"], "h", 3600.0) is not None
-    state.register_cell(cell_id="core", address="h:1", host="h", role=Role.TRAIN, is_core=True, kv_capacity_tokens=0)
+    state.register_cell(cell_id="core", address="h:1", host="h", role=CellRole.TRAIN, is_core=True, kv_capacity_tokens=0)
     for i in range(15):
         cid = f"c{i:02d}"
-        state.register_cell(cell_id=cid, address=f"h:{i + 2}", host="h", role=Role.ROLLOUT, is_core=False,
+        state.register_cell(cell_id=cid, address=f"h:{i + 2}", host="h", role=CellRole.ROLLOUT, is_core=False,
                             kv_capacity_tokens=1_000_000)
         share = 10_000 // 15 + (1 if i < 10_000 % 15 else 0)
         state.cell_heartbeat(cid, inflight=share, kv_used_tokens=share * 1000, kv_capacity_tokens=1_000_000,
-                             weight_version=0, reported_role=Role.ROLLOUT)
+                             weight_version=0, reported_role=CellRole.ROLLOUT)
     orch = Orchestrator(state, NoSwitch(), instance_id="bench", metrics_event_interval_s=1e9, lease_ttl_s=3600)
     job = state.get_job("big")
     assert job.running == 10_000

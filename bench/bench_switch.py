@@ -1,4 +1,4 @@
-"""Role-switch latency on the live stack, broken into phases: `gyre run` (built-in model, elastic,
+"""CellRole-switch latency on the live stack, broken into phases: `gyre run` (built-in model, elastic,
 a few steps) with the trainer's replica pool off and on (``warm_replicas`` 0: a process per replica,
 started cold and exiting with it; 2: pool processes started ahead, each back in the pool when its
 cell is given back), from the job's own events (``switch_finished`` durations, ``switch_phases``).
@@ -57,7 +57,7 @@ def main() -> None:
         for warm in (0, 2):
             print(f"gyre run, warm_replicas={warm} ...", flush=True)
             results[warm] = run(warm, args.steps, Path(d))
-    out = ["# Role-switch latency (live stack)", "",
+    out = ["# CellRole-switch latency (live stack)", "",
            f"`python -m bench.bench_switch`: `gyre run --mode elastic --num-steps {args.steps}` on the built-in "
            "model (2 rollout cells + the trainer core, 2 CPU cores), once with `warm_replicas = 0` (every replica "
            "a cold process that exits when its cell is given back) and once with a replica pool of 2 (processes "

@@ -54,7 +54,8 @@ class Shape:
 
 def synthetic_execution(shape: Shape, seed: int = 0, execution_id: str = "x") -> list:
     """Delta-encoded calls of one execution (``TitoCall`` list, record order)."""
-    from services.trajectory.records import PromptDelta, Role, TitoCall
+    from services.trajectory.records import PromptDelta, TitoCall
+    from services.common.roles import AgentRole
 
     rng = np.random.default_rng(seed)
     calls: list[TitoCall] = []
@@ -67,7 +68,7 @@ def synthetic_execution(shape: Shape, seed: int = 0, execution_id: str = "x") ->
     def gen_len() -> int:
         return int(rng.integers(*shape.gen))
 
-    def call(agent: str, role: Role, base: str, shared: int, new: np.ndarray, out: np.ndarray) -> str:
+    def call(agent: str, role: AgentRole, base: str, shared: int, new: np.ndarray, out: np.ndarray) -> str:
         nonlocal made
         cid = f"c{len(calls)}"
         lp = -rng.random(len(out), dtype=np.float32) * 3 - 0.01
@@ -79,7 +80,7 @@ def synthetic_execution(shape: Shape, seed: int = 0, execution_id: str = "x") ->
 
     system = toks(shape.system)
     sub_system = toks(shape.sub_system)
-    first = call("main", Role.MAIN, "", 0, np.concatenate((system, toks(shape.task))), toks(gen_len()))
+    first = call("main", AgentRole.MAIN, "", 0, np.concatenate((system, toks(shape.task))), toks(gen_len()))
     ctx = first
     pending_result = None
     first_sub = None
@@ -91,25 +92,25 @@ def synthetic_execution(shape: Shape, seed: int = 0, execution_id: str = "x") ->
             new = np.concatenate((new[:100], pending_result))
             pending_result = None
         if rng.random() < shape.retry_p:  # a failed attempt, retried from the same prompt
-            failed = call("main", Role.MAIN, ctx, lengths[ctx], new, toks(gen_len()))
-            ctx = call("main", Role.MAIN, failed, lengths[ctx] + len(new), np.zeros(0, np.int32), toks(gen_len()))
+            failed = call("main", AgentRole.MAIN, ctx, lengths[ctx], new, toks(gen_len()))
+            ctx = call("main", AgentRole.MAIN, failed, lengths[ctx] + len(new), np.zeros(0, np.int32), toks(gen_len()))
         else:
-            ctx = call("main", Role.MAIN, ctx, lengths[ctx], new, toks(gen_len()))
+            ctx = call("main", AgentRole.MAIN, ctx, lengths[ctx], new, toks(gen_len()))
         if turn % shape.sub_every == 0:  # delegate to a sub-agent (shares the sub-agent system prompt)
             agent = f"sub{turn}"
             if first_sub is None:
-                sub = first_sub = call(agent, Role.SUBAGENT, "", 0, np.concatenate((sub_system, toks(200))),
+                sub = first_sub = call(agent, AgentRole.SUBAGENT, "", 0, np.concatenate((sub_system, toks(200))),
                                        toks(gen_len()))
             else:
-                sub = call(agent, Role.SUBAGENT, first_sub, shape.sub_system, toks(200), toks(gen_len()))
+                sub = call(agent, AgentRole.SUBAGENT, first_sub, shape.sub_system, toks(200), toks(gen_len()))
             for _ in range(shape.sub_turns - 1):
-                sub = call(agent, Role.SUBAGENT, sub, lengths[sub], toks(int(rng.integers(*shape.tool)) // 2),
+                sub = call(agent, AgentRole.SUBAGENT, sub, lengths[sub], toks(int(rng.integers(*shape.tool)) // 2),
                            toks(gen_len()))
             pending_result = calls[-1].output_ids[:300].copy()
         if lengths[ctx] > shape.window:  # compaction: summarize, restart from system prompt + summary
-            call("summarizer", Role.SUMMARY, ctx, lengths[ctx], toks(64), toks(shape.summary))
+            call("summarizer", AgentRole.SUMMARY, ctx, lengths[ctx], toks(64), toks(shape.summary))
             summary = calls[-1].output_ids
-            ctx = call("main", Role.MAIN, first, shape.system, np.concatenate((summary, toks(200))), toks(gen_len()))
+            ctx = call("main", AgentRole.MAIN, first, shape.system, np.concatenate((summary, toks(200))), toks(gen_len()))
     return calls
 
 

@@ -30,8 +30,9 @@ from typing import Any
 
 import grpc
 
+from services.common.roles import AUTH_ROLES
+
 PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-ROLES = ("internal", "harness", "operator")
 _H, _O = frozenset({"harness"}), frozenset({"operator"})
 _HO = _H | _O
 # Roles besides ``internal`` (which may call everything) admitted per method; unlisted: internal only.
@@ -69,8 +70,8 @@ def read_tokens(path: str) -> tuple[tuple[str, str], ...]:
             continue
         role, _, token = line.partition(" ")
         token = token.strip()
-        if role not in ROLES or len(token) < 16:
-            raise ValueError(f"{path}:{n}: expected 'ROLE TOKEN' with ROLE one of {', '.join(ROLES)} and a "
+        if role not in AUTH_ROLES or len(token) < 16:
+            raise ValueError(f"{path}:{n}: expected 'ROLE TOKEN' with ROLE one of {', '.join(AUTH_ROLES)} and a "
                              "token of at least 16 characters")
         out.append((role, token))
     return tuple(out)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.roles import AGENT_ROLES
 
-ROLES = ("main", "subagent", "summary")
 TRANSPORTS = ("auto", "ucx", "tcp", "reprefill")
 # Generation must leave room for at least this many new tokens (else the prompt is "beyond context").
 MIN_NEW_TOKENS = 1
@@ -35,8 +35,8 @@ class CallMeta:
     def __post_init__(self) -> None:
         if self.attempt < 0:
             raise InvalidArgument(f"attempt must be >= 0, got {self.attempt}")
-        if self.role not in ROLES:
-            raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in AGENT_ROLES:
+            raise InvalidArgument(f"role must be one of {AGENT_ROLES}, got {self.role!r}")
 
     @property
     def sticky_key(self) -> tuple[str, str] | None:

@@ -41,7 +41,8 @@ from services.rollout.calls import (FINISHED, CallMeta, CallResult, EngineLost, 
 from services.rollout.engine import SamplingParams
 from services.rollout.router import DEAD, DRAINING, READY, EngineEntry, Router
 from services.rollout.usage import UsageBook
-from services.trajectory.records import Role, TitoCall
+from services.trajectory.records import TitoCall
+from services.common.roles import AgentRole
 
 log = get_logger(__name__)
 
@@ -454,7 +455,7 @@ class Gateway:
             forced, policy = call.constrained_output() or (None, None)
             self.on_record(TitoCall(
                 execution_id=m.execution_id, call_id=m.call_id or call.request_id, agent_id=m.agent_id,
-                role=Role.parse(m.role), output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
+                role=AgentRole.parse(m.role), output_ids=ids, output_logprobs=lps, weight_version=max(call.weight_version, 0),
                 prompt_ids=call.prompt_ids, job_id=m.job_id, finished_at_s=time.time(),
                 finish_reason=call.finish_reason, attempt=m.attempt, output_forced=forced,
                 output_policy_logprobs=policy))

@@ -16,7 +16,7 @@ from services.rollout.grammar import GrammarSpec
 
 ROLE_TO_STR: dict[int, str] = {common_pb2.ROLE_UNSPECIFIED: "main", common_pb2.ROLE_MAIN: "main",
                common_pb2.ROLE_SUBAGENT: "subagent", common_pb2.ROLE_SUMMARY: "summary"}
-STR_TO_ROLE: dict[str, common_pb2.Role] = {"main": common_pb2.ROLE_MAIN, "subagent": common_pb2.ROLE_SUBAGENT,
+STR_TO_ROLE: dict[str, common_pb2.AgentRole] = {"main": common_pb2.ROLE_MAIN, "subagent": common_pb2.ROLE_SUBAGENT,
                "summary": common_pb2.ROLE_SUMMARY}
 TRANSPORT_TO_STR: dict[int, str] = {rollout_pb2.KV_TRANSPORT_UNSPECIFIED: "auto", rollout_pb2.KV_TRANSPORT_AUTO: "auto",
                     rollout_pb2.KV_TRANSPORT_UCX: "ucx", rollout_pb2.KV_TRANSPORT_TCP: "tcp",

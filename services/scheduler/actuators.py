@@ -33,7 +33,8 @@ from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, 
 from services.common.logging import get_logger
 from services.rollout.client import GatewayClient
 from services.scheduler.client import CellAgentClient, TrainerMembershipClient
-from services.scheduler.jobs import CellRecord, JobStatus, Role
+from services.scheduler.jobs import CellRecord, JobStatus
+from services.common.roles import CellRole
 
 log = get_logger(__name__)
 
@@ -68,7 +69,7 @@ class ServicesActuator:
         self.trainer = TrainerMembershipClient(trainer_address, timeout_s=timeout_s)
         self.timeout_s = timeout_s
 
-    def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
+    def switch(self, cell: CellRecord, from_role: CellRole, to_role: CellRole, *, switch_id: str, job: JobStatus,
                migrate_to: Sequence[CellRecord],
                on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> dict[str, str]:
         """Carry the switch out; returns event attributes: the drain's migrations, and ``phases``
@@ -83,12 +84,12 @@ class ServicesActuator:
             phases[name] = round(now - t, 4)
             t = now
 
-        if from_role is Role.ROLLOUT:
+        if from_role is CellRole.ROLLOUT:
             info = _drain(self.gateway, cell)  # its requests migrate (KV over UCX) before it leaves
             if info and on_migrated is not None:
                 on_migrated(info)
             lap("drain")
-        elif from_role is Role.TRAIN:
+        elif from_role is CellRole.TRAIN:
             # a hosted replica is only released here: its agent stops it below (and waits for it)
             wait_s = 0.0 if cell.hosts_replica else self.timeout_s
             try:
@@ -107,11 +108,11 @@ class ServicesActuator:
                 raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
             log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
             lap("agent")
-        if to_role is Role.TRAIN:
+        if to_role is CellRole.TRAIN:
             self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0),
                                      hosted=cell.hosts_replica)
             lap("replica_join")  # replica process (warm or cold) in the step, weights loaded
-        elif to_role is Role.ROLLOUT:
+        elif to_role is CellRole.ROLLOUT:
             try:
                 # "": the engine the gateway knew for this cell before the drain (the cell's
                 # registered address is its agent's, not its engine's)
@@ -132,11 +133,11 @@ class AgentActuator:
         self.gateway = GatewayClient(gateway_address, timeout_s=timeout_s) if gateway_address else None
         self.timeout_s = timeout_s
 
-    def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
+    def switch(self, cell: CellRecord, from_role: CellRole, to_role: CellRole, *, switch_id: str, job: JobStatus,
                migrate_to: Sequence[CellRecord],
                on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> dict[str, str]:
         info: dict[str, str] = {}
-        if from_role is Role.ROLLOUT:
+        if from_role is CellRole.ROLLOUT:
             if self.gateway is not None:
                 info = _drain(self.gateway, cell)
                 if info and on_migrated is not None:

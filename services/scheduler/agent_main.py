@@ -21,7 +21,7 @@ from services.common.server import advertised_host, build_server
 from services.scheduler.cell_agent import CellAgent
 from services.scheduler.client import SchedulerClient
 from services.scheduler.config import CellAgentConfig
-from services.scheduler.jobs import Role
+from services.common.roles import CellRole
 from services.scheduler.servicer import AGENT_SERVICE_NAME, CellAgentServicer
 
 log = get_logger("services.scheduler.agent")
@@ -62,7 +62,7 @@ class Reporter:
 
     def _load(self) -> tuple[int, int, int, int]:
         """(inflight, kv_used, kv_capacity, weight_version) of the cell's engine, or idle values."""
-        if self.cfg.engine_address and self.agent.role is Role.ROLLOUT:
+        if self.cfg.engine_address and self.agent.role is CellRole.ROLLOUT:
             from services.rollout.client import EngineClient
 
             engine = EngineClient(self.cfg.engine_address, timeout_s=5.0)
@@ -92,8 +92,8 @@ class Reporter:
 
 
 def build_agent(cfg: CellAgentConfig) -> Built:
-    agent = CellAgent(cell_id=cfg.cell_id, role=Role(cfg.role),
-                      commands={Role.ROLLOUT: cfg.rollout_command, Role.TRAIN: cfg.train_command},
+    agent = CellAgent(cell_id=cfg.cell_id, role=CellRole(cfg.role),
+                      commands={CellRole.ROLLOUT: cfg.rollout_command, CellRole.TRAIN: cfg.train_command},
                       stop_grace_s=cfg.stop_grace_s, switch_delay_s=cfg.switch_delay_s).start()
     server = build_server("cell-agent", [(scheduler_pb2_grpc.add_CellAgentServicer_to_server, CellAgentServicer(agent))],
                           service_names=[AGENT_SERVICE_NAME], host=cfg.host, port=cfg.port,

@@ -19,6 +19,8 @@ from prometheus_client import Counter
 from services.common.errors import InvalidArgument
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
+from services.common.roles import AGENT_ROLES
+from services.common.roles import CellRole
 from services.scheduler.jobs import (
     CellRecord,
     Event,
@@ -31,10 +33,8 @@ from services.scheduler.jobs import (
     eval_job_id,
     HARNESSES,
     MAX_JOB_ID,
-    Role,
     check_id,
 )
-from services.scheduler.sessions import ROLES as SESSION_ROLES
 from services.scheduler.sessions import Sessions, session_base_url
 from services.scheduler.state import CompleteResult, SchedulerState
 from services.scheduler.tasks import heldout_payloads, validate_task_source
@@ -257,8 +257,8 @@ class SchedulerApi:
         _require(execution_id, "execution_id")
         _require(lease_token, "lease_token")
         _require(agent_id, "agent_id", 128)
-        if role not in SESSION_ROLES:
-            raise InvalidArgument(f"role is {role!r}; expected one of {', '.join(SESSION_ROLES)}")
+        if role not in AGENT_ROLES:
+            raise InvalidArgument(f"role is {role!r}; expected one of {', '.join(AGENT_ROLES)}")
         job_id, attempt, evaluation = self.state.current_lease(execution_id, lease_token)
         minted = self._mint(job_id, evaluation, execution_id, agent_id, role, attempt,
                             self.state.execution(execution_id).deadline_s)
@@ -295,7 +295,7 @@ class SchedulerApi:
 
     # ---------------------------------------------------------------- cells
 
-    def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
+    def register_cell(self, *, cell_id: str, address: str, host: str, role: CellRole, is_core: bool,
                       kv_capacity_tokens: int, num_accelerators: int,
                       engine_address: str = "", hosts_replica: bool = False) -> tuple[CellRecord, bool]:
         check_id(_require(cell_id, "cell_id"), "cell_id")
@@ -318,11 +318,11 @@ class SchedulerApi:
         return self.state.get_cell(cell_id), created
 
     def cell_heartbeat(self, *, cell_id: str, inflight: int, kv_used_tokens: int, kv_capacity_tokens: int,
-                       weight_version: int, role: Role) -> tuple[Role, Role | None]:
+                       weight_version: int, role: CellRole) -> tuple[CellRole, CellRole | None]:
         check_id(_require(cell_id, "cell_id"), "cell_id")
         if min(inflight, kv_used_tokens, kv_capacity_tokens, weight_version) < 0:
             raise InvalidArgument("inflight, kv tokens and weight_version must be >= 0")
-        if role is Role.SWITCHING:
+        if role is CellRole.SWITCHING:
             raise InvalidArgument("a cell reports the role it runs (rollout, train or idle), not switching")
         return self.state.cell_heartbeat(cell_id, inflight=inflight, kv_used_tokens=kv_used_tokens,
                                          kv_capacity_tokens=kv_capacity_tokens, weight_version=weight_version,
@@ -338,7 +338,7 @@ class SchedulerApi:
         log.info("cell cordoned" if cordoned else "cell uncordoned", cell_id=cell_id, reason=cell.cordon_reason)
         return cell
 
-    def deregister_cell(self, cell_id: str) -> Role:
+    def deregister_cell(self, cell_id: str) -> CellRole:
         check_id(_require(cell_id, "cell_id"), "cell_id")
         role = self.state.deregister_cell(cell_id)
         log.info("cell deregistered", cell_id=cell_id)

@@ -25,18 +25,18 @@ from collections.abc import Mapping
 
 from services.common.errors import InvalidArgument
 from services.common.logging import get_logger
-from services.scheduler.jobs import Role
+from services.common.roles import CellRole
 
 log = get_logger(__name__)
 
 
 class CellAgent:
-    def __init__(self, *, cell_id: str, role: Role, commands: Mapping[Role, str], stop_grace_s: float = 10.0,
+    def __init__(self, *, cell_id: str, role: CellRole, commands: Mapping[CellRole, str], stop_grace_s: float = 10.0,
                  switch_delay_s: float = 0.0) -> None:
-        if role is Role.SWITCHING:
+        if role is CellRole.SWITCHING:
             raise ValueError("a cell agent starts as rollout, train or idle")
         self.cell_id = cell_id
-        self._role: Role = role
+        self._role: CellRole = role
         self.commands = dict(commands)
         self.stop_grace_s = stop_grace_s
         # Extra seconds each switch takes: models engine/replica start-up cost where the commands
@@ -49,7 +49,7 @@ class CellAgent:
         self._context: dict[str, object] = {"job_id": "", "step": 0, "weight_version": 0, "switch_id": "start"}
 
     @property
-    def role(self) -> Role:
+    def role(self) -> CellRole:
         return self._role
 
     @property
@@ -66,10 +66,10 @@ class CellAgent:
         with self._lock:
             self._terminate()
 
-    def set_role(self, role: Role, switch_id: str, *, job_id: str = "", step: int = 0,
-                 weight_version: int = 0) -> tuple[Role, float]:
+    def set_role(self, role: CellRole, switch_id: str, *, job_id: str = "", step: int = 0,
+                 weight_version: int = 0) -> tuple[CellRole, float]:
         """Switch to ``role``; returns (role, seconds taken). A repeated ``switch_id`` returns at once."""
-        if role not in (Role.ROLLOUT, Role.TRAIN, Role.IDLE):
+        if role not in (CellRole.ROLLOUT, CellRole.TRAIN, CellRole.IDLE):
             raise InvalidArgument(f"a cell can be set to rollout, train or idle, not {role.value}")
         if not switch_id:
             raise InvalidArgument("switch_id is required (it makes the switch idempotent)")

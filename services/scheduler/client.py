@@ -31,8 +31,9 @@ from services.scheduler.convert import (
     lease_from_proto,
     spec_to_proto,
 )
+from services.common.roles import CellRole
 from services.scheduler.jobs import (CellRecord, Event, ExecState, ExecutionRecord, JobSpec, JobState, JobStatus,
-                                     Lease, Role)
+                                     Lease)
 from services.scheduler.state import CompleteResult
 
 pb = scheduler_pb2
@@ -134,7 +135,7 @@ class SchedulerClient(GrpcClient):
         return list(res.execution_ids)
 
     # -- cells
-    def register_cell(self, *, cell_id: str, address: str, role: Role, host: str = "", is_core: bool = False,
+    def register_cell(self, *, cell_id: str, address: str, role: CellRole, host: str = "", is_core: bool = False,
                       kv_capacity_tokens: int = 0, num_accelerators: int = 1, engine_address: str = "",
                       hosts_replica: bool = False) -> bool:
         req = pb.RegisterCellRequest(cell_id=cell_id, address=address, host=host, role=ROLE_TO_PB[role],
@@ -143,8 +144,8 @@ class SchedulerClient(GrpcClient):
                                      hosts_replica=hosts_replica)
         return bool(self._call(self._cells.RegisterCell, req).created)
 
-    def cell_heartbeat(self, cell_id: str, *, role: Role, inflight: int = 0, kv_used_tokens: int = 0,
-                       kv_capacity_tokens: int = 0, weight_version: int = 0) -> tuple[Role, Role | None]:
+    def cell_heartbeat(self, cell_id: str, *, role: CellRole, inflight: int = 0, kv_used_tokens: int = 0,
+                       kv_capacity_tokens: int = 0, weight_version: int = 0) -> tuple[CellRole, CellRole | None]:
         """Report load; returns (registry role, target of the switch in flight or None)."""
         req = pb.CellHeartbeatRequest(cell_id=cell_id, inflight=inflight, kv_used_tokens=kv_used_tokens,
                                       kv_capacity_tokens=kv_capacity_tokens, weight_version=weight_version,
@@ -152,7 +153,7 @@ class SchedulerClient(GrpcClient):
         res = self._call(self._cells.CellHeartbeat, req)
         return ROLE_FROM_PB[res.assigned_role], (ROLE_FROM_PB[res.switching_to] if res.switching_to else None)
 
-    def deregister_cell(self, cell_id: str) -> Role:
+    def deregister_cell(self, cell_id: str) -> CellRole:
         res = self._call(self._cells.DeregisterCell, pb.DeregisterCellRequest(cell_id=cell_id))
         return ROLE_FROM_PB[res.role]
 
@@ -164,15 +165,15 @@ class CellAgentClient(GrpcClient):
         super().__init__(address, timeout_s=timeout_s, max_message_mb=64)
         self._stub = scheduler_pb2_grpc.CellAgentStub(self._channel)
 
-    def set_role(self, *, cell_id: str, role: Role, switch_id: str, job_id: str = "", step: int = 0,
-                 weight_version: int = 0) -> tuple[Role, float]:
+    def set_role(self, *, cell_id: str, role: CellRole, switch_id: str, job_id: str = "", step: int = 0,
+                 weight_version: int = 0) -> tuple[CellRole, float]:
         """Change the cell's role (idempotent per switch_id): (role now, seconds the change took)."""
         req = pb.SetRoleRequest(cell_id=cell_id, role=ROLE_TO_PB[role], switch_id=switch_id, job_id=job_id,
                                 step=step, weight_version=weight_version)
         res = self._call(self._stub.SetRole, req)
         return ROLE_FROM_PB[res.role], res.duration_s
 
-    def get_role(self) -> tuple[str, Role, str]:
+    def get_role(self) -> tuple[str, CellRole, str]:
         res = self._call(self._stub.GetRole, pb.GetRoleRequest())
         return res.cell_id, ROLE_FROM_PB[res.role], res.last_switch_id
 

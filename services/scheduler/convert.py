@@ -9,6 +9,7 @@ from dataclasses import asdict, fields
 
 from protos.gyre.v1 import common_pb2, scheduler_pb2
 from services.common.errors import InvalidArgument
+from services.common.roles import CellRole
 from services.scheduler.jobs import (
     Algorithm,
     Evaluation,
@@ -22,7 +23,6 @@ from services.scheduler.jobs import (
     JobStatus,
     Lease,
     Mode,
-    Role,
     TaskSource,
     TimeoutPolicy,
 )
@@ -44,9 +44,9 @@ STATUS_FROM_PB = {common_pb2.EXECUTION_STATUS_FINISHED: ExecState.FINISHED,
 STATUS_TO_PB = {v: k for k, v in STATUS_FROM_PB.items()}
 # common.proto has no IDLE role (yet): an idle cell is CELL_ROLE_UNSPECIFIED on the wire.
 _IDLE_PB = getattr(common_pb2, "CELL_ROLE_IDLE", common_pb2.CELL_ROLE_UNSPECIFIED)
-ROLE_TO_PB = {Role.ROLLOUT: common_pb2.CELL_ROLE_ROLLOUT, Role.TRAIN: common_pb2.CELL_ROLE_TRAIN,
-              Role.SWITCHING: common_pb2.CELL_ROLE_SWITCHING, Role.IDLE: _IDLE_PB}
-ROLE_FROM_PB = {**{v: k for k, v in ROLE_TO_PB.items()}, common_pb2.CELL_ROLE_UNSPECIFIED: Role.IDLE}
+ROLE_TO_PB = {CellRole.ROLLOUT: common_pb2.CELL_ROLE_ROLLOUT, CellRole.TRAIN: common_pb2.CELL_ROLE_TRAIN,
+              CellRole.SWITCHING: common_pb2.CELL_ROLE_SWITCHING, CellRole.IDLE: _IDLE_PB}
+ROLE_FROM_PB = {**{v: k for k, v in ROLE_TO_PB.items()}, common_pb2.CELL_ROLE_UNSPECIFIED: CellRole.IDLE}
 
 
 def enum_value(table: dict, value: int, what: str, known: str) -> object:
@@ -170,7 +170,7 @@ def cell_to_proto(c: CellRecord, age_s: float = 0.0, alive: bool = True) -> sche
                 last_switch_s=c.last_switch_s, num_accelerators=c.num_accelerators,
                 engine_address=c.engine_address, hosts_replica=c.hosts_replica, cordoned=c.cordoned,
                 cordon_reason=c.cordon_reason)
-    if c.role is Role.SWITCHING and c.switch_from and c.switch_to:
+    if c.role is CellRole.SWITCHING and c.switch_from and c.switch_to:
         p.switch.CopyFrom(pb.CellSwitch(switch_id=c.switch_id, from_role=ROLE_TO_PB[c.switch_from],
                                         to_role=ROLE_TO_PB[c.switch_to], started_at_s=c.switch_started_s,
                                         job_id=c.switch_job_id))

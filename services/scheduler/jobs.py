@@ -20,7 +20,8 @@ from enum import Enum
 from typing import Any
 
 from services.algorithm import Algorithm
-from services.scheduler.policy import Mode, PolicyParams, Role
+from services.scheduler.policy import Mode, PolicyParams
+from services.common.roles import CellRole
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 MAX_STEP_SIZE = 100_000
@@ -423,7 +424,7 @@ class CellRecord:
     cell_id: str
     address: str
     host: str
-    role: Role
+    role: CellRole
     is_core: bool
     kv_capacity_tokens: int
     kv_used_tokens: int
@@ -431,10 +432,10 @@ class CellRecord:
     weight_version: int
     heartbeat_s: float
     registered_s: float
-    reported_role: Role | None = None  # what the cell itself last said it runs
+    reported_role: CellRole | None = None  # what the cell itself last said it runs
     switch_id: str = ""
-    switch_from: Role | None = None
-    switch_to: Role | None = None
+    switch_from: CellRole | None = None
+    switch_to: CellRole | None = None
     switch_started_s: float = 0.0
     switch_job_id: str = ""
     switch_migrate_to: tuple[str, ...] = ()  # rollout cells receiving its in-flight executions

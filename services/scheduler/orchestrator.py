@@ -40,7 +40,8 @@ from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.scheduler.controller import JobController
-from services.scheduler.jobs import CellRecord, EventKind, JobState, JobStatus, Role
+from services.scheduler.jobs import CellRecord, EventKind, JobState, JobStatus
+from services.common.roles import CellRole
 from services.scheduler.policy import Action, CellView, ClusterView, decide, may_start
 from services.scheduler.state import SchedulerState
 from services.scheduler.tasks import step_payloads
@@ -71,7 +72,7 @@ class CellActuator(Protocol):
     executions (ROLLOUT -> TRAIN); the cell must host nothing when the call returns.
     """
 
-    def switch(self, cell: CellRecord, from_role: Role, to_role: Role, *, switch_id: str, job: JobStatus,
+    def switch(self, cell: CellRecord, from_role: CellRole, to_role: CellRole, *, switch_id: str, job: JobStatus,
                migrate_to: Sequence[CellRecord],
                on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> Mapping[str, str] | None:
         """Returns event attributes of what it did (e.g. ``migrated``: requests moved), or None.
@@ -297,7 +298,7 @@ class Orchestrator:
         """The job's live cells: those named in its spec, else every registered cell."""
         cells = self.state.list_cells(job.spec.cell_ids or None)
         horizon = self.state.clock() - self.cell_dead_after_s
-        return [c for c in cells if c.heartbeat_s >= horizon or c.role is Role.SWITCHING]
+        return [c for c in cells if c.heartbeat_s >= horizon or c.role is CellRole.SWITCHING]
 
     def build_view(self, job: JobStatus, cells: Sequence[CellRecord]) -> ClusterView:
         spec = job.spec
@@ -307,7 +308,7 @@ class Orchestrator:
             now_s=self.state.clock(), step=job.current_step, weight_version=job.weight_version,
             cells=tuple(CellView(cell_id=c.cell_id, role=c.role, is_core=c.is_core, inflight=c.inflight,
                                  kv_used_tokens=c.kv_used_tokens, kv_capacity_tokens=c.kv_capacity_tokens,
-                                 switching_to=c.switch_to if c.role is Role.SWITCHING else None,
+                                 switching_to=c.switch_to if c.role is CellRole.SWITCHING else None,
                                  cordoned=c.cordoned)
                         for c in cells),
             queued=job.queued, running=job.running, finished_in_step=job.done_in_step, step_size=spec.step_size,
@@ -321,10 +322,10 @@ class Orchestrator:
 
     def _start_switch(self, job: JobStatus, a: Action, cells: dict[str, CellRecord]) -> None:
         cell = cells.get(a.cell_id)
-        if cell is None or cell.is_core or cell.role is Role.SWITCHING:
+        if cell is None or cell.is_core or cell.role is CellRole.SWITCHING:
             log.error("policy action refused", cell_id=a.cell_id, reason="unknown, core or switching cell")
             return
-        if cell.role is Role.ROLLOUT and cell.inflight > 0 and job.running > 0 and not a.migrate_to:
+        if cell.role is CellRole.ROLLOUT and cell.inflight > 0 and job.running > 0 and not a.migrate_to:
             # never interrupt an execution: a busy rollout cell leaves only by migrating its work
             log.error("policy action refused", cell_id=a.cell_id, reason="busy rollout cell without migration")
             return
@@ -339,13 +340,13 @@ class Orchestrator:
         targets = [cells[t] for t in a.migrate_to if t in cells]
         self._submit(cell, cell.role, a.to_role, switch_id, job, targets)
 
-    def _submit(self, cell: CellRecord, from_role: Role, to_role: Role, switch_id: str, job: JobStatus,
+    def _submit(self, cell: CellRecord, from_role: CellRole, to_role: CellRole, switch_id: str, job: JobStatus,
                 targets: Sequence[CellRecord]) -> None:
         with self._lock:
             self._inflight[cell.cell_id] = self._pool.submit(
                 self._carry_out, cell, from_role, to_role, switch_id, job, targets)
 
-    def _carry_out(self, cell: CellRecord, from_role: Role, to_role: Role, switch_id: str, job: JobStatus,
+    def _carry_out(self, cell: CellRecord, from_role: CellRole, to_role: CellRole, switch_id: str, job: JobStatus,
                    targets: Sequence[CellRecord]) -> None:
         bound = log.bind(job_id=job.job_id, cell_id=cell.cell_id, switch_id=switch_id)
         recorded = False
@@ -379,8 +380,8 @@ class Orchestrator:
             return
         self._end(cell.cell_id, switch_id, job.job_id, True, "", from_role, to_role)
 
-    def _end(self, cell_id: str, switch_id: str, job_id: str, done: bool, error: str, from_role: Role,
-             to_role: Role) -> None:
+    def _end(self, cell_id: str, switch_id: str, job_id: str, done: bool, error: str, from_role: CellRole,
+             to_role: CellRole) -> None:
         try:
             duration = self.state.end_switch(cell_id=cell_id, switch_id=switch_id, job_id=job_id, done=done,
                                              error=error)
@@ -441,8 +442,8 @@ class Orchestrator:
         self.state.append_event(job.job_id, EventKind.METRICS.value, {
             "step": job.current_step, "weight_version": job.weight_version, "queued": job.queued,
             "running": job.running, "done_in_step": job.done_in_step, "step_size": job.spec.step_size,
-            "rollout_cells": roles.count(Role.ROLLOUT), "train_cells": roles.count(Role.TRAIN),
-            "switching_cells": roles.count(Role.SWITCHING), "idle_cells": roles.count(Role.IDLE),
+            "rollout_cells": roles.count(CellRole.ROLLOUT), "train_cells": roles.count(CellRole.TRAIN),
+            "switching_cells": roles.count(CellRole.SWITCHING), "idle_cells": roles.count(CellRole.IDLE),
             **self._usage_attrs(job.job_id),
         })
 

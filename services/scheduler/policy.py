@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal, TypeVar
 
+from services.common.roles import CellRole
+
 K = TypeVar("K")
 
 
@@ -53,32 +55,23 @@ class Mode(str, Enum):
     ELASTIC = "elastic"
 
 
-class Role(str, Enum):
-    """The role a cell holds (IDLE: registered, not yet assigned)."""
-
-    ROLLOUT = "rollout"
-    TRAIN = "train"
-    SWITCHING = "switching"
-    IDLE = "idle"
-
-
 @dataclass(frozen=True)
 class CellView:
     """One cell as the policy sees it."""
 
     cell_id: str
-    role: Role
+    role: CellRole
     is_core: bool
     inflight: int  # executions (model-call contexts) currently hosted by this cell's engine
     kv_used_tokens: int
     kv_capacity_tokens: int
-    switching_to: Role | None = None
+    switching_to: CellRole | None = None
     cordoned: bool = False  # an operator keeps it out of rollout (drained, then it trains)
 
     def __post_init__(self) -> None:
         if self.inflight < 0 or self.kv_used_tokens < 0 or self.kv_capacity_tokens < 0:
             raise ValueError(f"cell {self.cell_id!r}: inflight and KV token counts must be >= 0")
-        if (self.role is Role.SWITCHING) != (self.switching_to is not None):
+        if (self.role is CellRole.SWITCHING) != (self.switching_to is not None):
             raise ValueError(f"cell {self.cell_id!r}: switching_to is set exactly when role is SWITCHING")
 
     @property
@@ -148,7 +141,7 @@ class Action:
 
     kind: Literal["switch"]
     cell_id: str
-    to_role: Role
+    to_role: CellRole
     migrate_to: tuple[str, ...] = ()  # cells receiving its in-flight executions, in fill order
     reason: str = ""
 
@@ -177,7 +170,7 @@ def slots_per_cell(cell: CellView, execution_kv_tokens: float) -> int:
 
 def free_slots(cell: CellView, execution_kv_tokens: float) -> int:
     """Executions a ROLLOUT cell can still admit (slots left, and KV left for a whole window)."""
-    if cell.role is not Role.ROLLOUT:
+    if cell.role is not CellRole.ROLLOUT:
         return 0
     kv = execution_kv_tokens if execution_kv_tokens > 1.0 else 1.0
     slots = cell.kv_capacity_tokens // kv
@@ -244,10 +237,10 @@ def _drain_cordoned(view: ClusterView, cordoned: list[CellView], actions: list[A
     """TRAIN switches of cordoned ROLLOUT cells whose in-flight executions fit elsewhere."""
     busy = {a.cell_id for a in actions} | {t for a in actions for t in a.migrate_to}
     room = {c.cell_id: free_slots(c, kv_exec) for c in view.cells
-            if c.role is Role.ROLLOUT and not c.cordoned and c.cell_id not in busy}
+            if c.role is CellRole.ROLLOUT and not c.cordoned and c.cell_id not in busy}
     out = []
     for cell in cordoned:
-        if cell.role is not Role.ROLLOUT:
+        if cell.role is not CellRole.ROLLOUT:
             continue
         need = cell.inflight if view.running > 0 else 0  # nothing of the job runs: nothing to move
         targets = []
@@ -262,17 +255,17 @@ def _drain_cordoned(view: ClusterView, cordoned: list[CellView], actions: list[A
             continue  # no room for its work now: the next tick tries again
         for target in targets:
             room.pop(target)  # a receiver takes one drained cell's work per pass
-        out.append(_switch(cell, Role.TRAIN, "cordoned: drained of rollout work", migrate_to=tuple(targets)))
+        out.append(_switch(cell, CellRole.TRAIN, "cordoned: drained of rollout work", migrate_to=tuple(targets)))
     return out
 
 
-def _switch(cell: CellView, to: Role, reason: str, migrate_to: tuple[str, ...] = ()) -> Action:
+def _switch(cell: CellView, to: CellRole, reason: str, migrate_to: tuple[str, ...] = ()) -> Action:
     return Action(kind="switch", cell_id=cell.cell_id, to_role=to, migrate_to=migrate_to, reason=reason)
 
 
 def _movable(view: ClusterView) -> list[CellView]:
     """Non-core cells that may receive an action (not mid-switch), in a stable order."""
-    return sorted((c for c in view.cells if not c.is_core and c.role is not Role.SWITCHING),
+    return sorted((c for c in view.cells if not c.is_core and c.role is not CellRole.SWITCHING),
                   key=lambda c: c.cell_id)
 
 
@@ -284,15 +277,15 @@ def _decide_colocate(view: ClusterView) -> list[Action]:
         # cells whose last heartbeat says "empty": that count lags by a heartbeat, and the job's own
         # counters say no execution runs, so nothing of the job is hosted anywhere (a request the
         # engine really still hosts makes the drain refuse, and the switch is retried).
-        return [_switch(c, Role.TRAIN, "colocate: step rolled out") for c in cells
-                if c.role in (Role.IDLE, Role.ROLLOUT)]
+        return [_switch(c, CellRole.TRAIN, "colocate: step rolled out") for c in cells
+                if c.role in (CellRole.IDLE, CellRole.ROLLOUT)]
     if view.queued + view.running > 0:
         # Rollout work exists only once the previous update is published (bound 0), so the pool
         # goes back as soon as there is any, queued or already leased by harnesses (which then
         # wait for an engine), whatever `training_active` says: a trainer that opened the next step
         # waits for the batches only these cells can produce.
-        return [_switch(c, Role.ROLLOUT, "colocate: update published") for c in cells
-                if c.role in (Role.TRAIN, Role.IDLE)]
+        return [_switch(c, CellRole.ROLLOUT, "colocate: update published") for c in cells
+                if c.role in (CellRole.TRAIN, CellRole.IDLE)]
     return []
 
 
@@ -300,18 +293,18 @@ def _decide_async(view: ClusterView, params: PolicyParams) -> list[Action]:
     assert params.async_rollout_cells is not None
     non_core = [c for c in view.cells if not c.is_core]
     want = min(params.async_rollout_cells, len(non_core))
-    have = sum(1 for c in non_core if c.role is Role.ROLLOUT or c.switching_to is Role.ROLLOUT)
+    have = sum(1 for c in non_core if c.role is CellRole.ROLLOUT or c.switching_to is CellRole.ROLLOUT)
     actions: list[Action] = []
     cells = _movable(view)
     # Grow rollout from IDLE first, then TRAIN; shrink it with empty rollout cells only.
-    for c in sorted(cells, key=lambda c: (c.role is not Role.IDLE, c.cell_id)):
-        if have < want and c.role in (Role.IDLE, Role.TRAIN):
-            actions.append(_switch(c, Role.ROLLOUT, f"async: static split {want} rollout cells"))
+    for c in sorted(cells, key=lambda c: (c.role is not CellRole.IDLE, c.cell_id)):
+        if have < want and c.role in (CellRole.IDLE, CellRole.TRAIN):
+            actions.append(_switch(c, CellRole.ROLLOUT, f"async: static split {want} rollout cells"))
             have += 1
-        elif c.role is Role.IDLE:
-            actions.append(_switch(c, Role.TRAIN, "async: static split"))
-        elif have > want and c.role is Role.ROLLOUT and c.inflight == 0:
-            actions.append(_switch(c, Role.TRAIN, f"async: static split {want} rollout cells"))
+        elif c.role is CellRole.IDLE:
+            actions.append(_switch(c, CellRole.TRAIN, "async: static split"))
+        elif have > want and c.role is CellRole.ROLLOUT and c.inflight == 0:
+            actions.append(_switch(c, CellRole.TRAIN, f"async: static split {want} rollout cells"))
             have -= 1
     return actions
 
@@ -327,27 +320,27 @@ def _decide_elastic(view: ClusterView, params: PolicyParams) -> list[Action]:
     if demand:
         need = max(need, params.min_rollout_cells)
     need = min(need, len(non_core))
-    rollout = [c for c in non_core if c.role is Role.ROLLOUT]
-    have = len(rollout) + sum(1 for c in non_core if c.switching_to is Role.ROLLOUT)
+    rollout = [c for c in non_core if c.role is CellRole.ROLLOUT]
+    have = len(rollout) + sum(1 for c in non_core if c.switching_to is CellRole.ROLLOUT)
     train_work = view.train_ready or view.training_active
     actions: list[Action] = []
 
     for c in _movable(view):
-        if c.role is not Role.IDLE:
+        if c.role is not CellRole.IDLE:
             continue
         if have < need or not train_work:
-            actions.append(_switch(c, Role.ROLLOUT, "elastic: assign"))
+            actions.append(_switch(c, CellRole.ROLLOUT, "elastic: assign"))
             have += 1
         else:
-            actions.append(_switch(c, Role.TRAIN, "elastic: assign"))
+            actions.append(_switch(c, CellRole.TRAIN, "elastic: assign"))
 
     if have < need:
         # Startable rollouts outnumber free slots: bring TRAIN cells back (the update keeps the core).
         for c in _movable(view):
             if have >= need:
                 break
-            if c.role is Role.TRAIN:
-                actions.append(_switch(c, Role.ROLLOUT, f"elastic: rollout demand {demand} needs {need} cells"))
+            if c.role is CellRole.TRAIN:
+                actions.append(_switch(c, CellRole.ROLLOUT, f"elastic: rollout demand {demand} needs {need} cells"))
                 have += 1
     elif have > need and view.train_ready:
         actions.extend(_consolidate(rollout, have - need, kv_exec, demand))
@@ -385,7 +378,7 @@ def _consolidate(rollout: list[CellView], surplus: int, kv_exec: float, demand: 
             received.add(k)
         top = j
         targets = [order[k].cell_id for k, _ in takes]
-        actions.append(_switch(cell, Role.TRAIN, f"elastic: consolidate, rollout demand {demand}",
+        actions.append(_switch(cell, CellRole.TRAIN, f"elastic: consolidate, rollout demand {demand}",
                                migrate_to=tuple(targets)))
     return actions
 
@@ -401,14 +394,14 @@ def check_actions(view: ClusterView, actions: list[Action], kv_exec: float) -> N
         assert a.cell_id not in seen, f"two actions for cell {a.cell_id}"
         seen.add(a.cell_id)
         assert not cell.is_core, f"core cell {a.cell_id} must never switch"
-        assert cell.role is not Role.SWITCHING, f"cell {a.cell_id} is mid-switch"
-        assert a.to_role in (Role.ROLLOUT, Role.TRAIN) and a.to_role is not cell.role, a
-        if cell.role is Role.ROLLOUT and cell.inflight > 0 and view.running > 0:
+        assert cell.role is not CellRole.SWITCHING, f"cell {a.cell_id} is mid-switch"
+        assert a.to_role in (CellRole.ROLLOUT, CellRole.TRAIN) and a.to_role is not cell.role, a
+        if cell.role is CellRole.ROLLOUT and cell.inflight > 0 and view.running > 0:
             need = cell.inflight
             for target in a.migrate_to:
                 assert target != a.cell_id and target not in seen, f"bad migration target {target}"
                 t = by_id[target]
-                assert t.role is Role.ROLLOUT, f"migration target {target} is not a rollout cell"
+                assert t.role is CellRole.ROLLOUT, f"migration target {target} is not a rollout cell"
                 if target not in room:
                     room[target] = free_slots(t, kv_exec)
                 take = min(room[target], need)

@@ -19,9 +19,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.roles import AGENT_ROLES
 from services.scheduler.state import Keys
 
-ROLES = ("main", "subagent", "summary")
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class Sessions:
         return v.decode() if isinstance(v, bytes) else (v or "")
 
     def mint(self, *, job_id: str, execution_id: str, agent_id: str, role: str, attempt: int, ttl_s: float) -> str:
-        if role not in ROLES:
-            raise ValueError(f"role is {role!r}; expected one of {', '.join(ROLES)}")
+        if role not in AGENT_ROLES:
+            raise ValueError(f"role is {role!r}; expected one of {', '.join(AGENT_ROLES)}")
         token = secrets.token_urlsafe(24)  # 192 bits
         key = self.keys.session(token)
         with self.r.pipeline() as pipe:

@@ -54,6 +54,7 @@ import redis
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.redis_store import Keys as _NsKeys
+from services.common.roles import CellRole
 from services.scheduler import lua
 from services.scheduler.jobs import (
     CellRecord,
@@ -64,7 +65,6 @@ from services.scheduler.jobs import (
     JobState,
     JobStatus,
     Lease,
-    Role,
     eval_job_id,
 )
 
@@ -511,13 +511,13 @@ class SchedulerState:
 
     # ---------------------------------------------------------------- cells
 
-    def register_cell(self, *, cell_id: str, address: str, host: str, role: Role, is_core: bool,
+    def register_cell(self, *, cell_id: str, address: str, host: str, role: CellRole, is_core: bool,
                       kv_capacity_tokens: int, num_accelerators: int = 1, engine_address: str = "",
                       hosts_replica: bool = False) -> bool:
         """Register (or re-register) a cell; True when it is new."""
-        if role not in (Role.ROLLOUT, Role.TRAIN, Role.IDLE):
+        if role not in (CellRole.ROLLOUT, CellRole.TRAIN, CellRole.IDLE):
             raise InvalidArgument(f"a cell registers as rollout, train or idle, not {role.value}")
-        if is_core and role is not Role.TRAIN:
+        if is_core and role is not CellRole.TRAIN:
             raise InvalidArgument("the core cell holds the authoritative weights and must register as train")
         res = self._run("REGISTER_CELL", [self.keys.cell(cell_id), self.keys.cells],
                         [cell_id, self.now_ms(), role.value, "address", address, "host", host,
@@ -527,7 +527,7 @@ class SchedulerState:
         return bool(res[1])
 
     def cell_heartbeat(self, cell_id: str, *, inflight: int, kv_used_tokens: int, kv_capacity_tokens: int,
-                       weight_version: int, reported_role: Role) -> tuple[Role, Role | None]:
+                       weight_version: int, reported_role: CellRole) -> tuple[CellRole, CellRole | None]:
         """Record a cell's load; returns (registry role, pending switch target or None)."""
         res = self._run("CELL_HEARTBEAT", [self.keys.cell(cell_id)],
                         [self.now_ms(), inflight, kv_used_tokens, kv_capacity_tokens, weight_version,
@@ -535,7 +535,7 @@ class SchedulerState:
         if res[0] == -1:
             raise NotFound(f"cell {cell_id!r} is not registered; call RegisterCell first")
         to = _s(res[2])
-        return Role(_s(res[1])), (Role(to) if to else None)
+        return CellRole(_s(res[1])), (CellRole(to) if to else None)
 
     def cordon_cell(self, cell_id: str, reason: str) -> CellRecord:
         """Cordon (``reason`` non-empty) or uncordon (``""``) a registered cell."""
@@ -546,13 +546,13 @@ class SchedulerState:
             raise FailedPrecondition(f"cell {cell_id!r} is the core cell: it always trains and takes no rollout work")
         return self.get_cell(cell_id)
 
-    def deregister_cell(self, cell_id: str) -> Role:
+    def deregister_cell(self, cell_id: str) -> CellRole:
         res = self._run("DEREGISTER_CELL", [self.keys.cell(cell_id), self.keys.cells, self.keys.switches], [cell_id])
         if res[0] == -1:
             raise NotFound(f"cell {cell_id!r} is not registered")
         if res[0] == -2:
             raise FailedPrecondition(f"cell {cell_id!r} is switching roles; deregister it after the switch ends")
-        return Role(_s(res[1]))
+        return CellRole(_s(res[1]))
 
     def get_cell(self, cell_id: str) -> CellRecord:
         h = self.r.hgetall(self.keys.cell(cell_id))
@@ -569,7 +569,7 @@ class SchedulerState:
 
     # ---------------------------------------------------------------- switches
 
-    def begin_switch(self, *, cell_id: str, from_role: Role, to_role: Role, job_id: str, reason: str = "",
+    def begin_switch(self, *, cell_id: str, from_role: CellRole, to_role: CellRole, job_id: str, reason: str = "",
                      migrate_to: Sequence[str] = ()) -> str:
         """Mark a cell SWITCHING (atomically, iff it holds ``from_role``); returns the switch id."""
         switch_id = secrets.token_hex(8)
@@ -599,7 +599,7 @@ class SchedulerState:
 
     def pending_switches(self) -> list[CellRecord]:
         ids = [_s(c) for c in self.r.zrange(self.keys.switches, 0, -1)]
-        return [c for c in self.list_cells(ids) if c.role is Role.SWITCHING]
+        return [c for c in self.list_cells(ids) if c.role is CellRole.SWITCHING]
 
     def switch_log(self, count: int = 1000) -> list[Event]:
         return [_event(eid, f, "") for eid, f in self.r.xrevrange(self.keys.switch_log, count=count)][::-1]
@@ -641,12 +641,12 @@ def _cell(cell_id: str, h: dict[Any, Any]) -> CellRecord:
     def g(name: str) -> bytes | None:
         return h.get(name.encode())
 
-    def role(name: str) -> Role | None:
+    def role(name: str) -> CellRole | None:
         v = _s(g(name))
-        return Role(v) if v else None
+        return CellRole(v) if v else None
 
     return CellRecord(
-        cell_id=cell_id, address=_s(g("address")), host=_s(g("host")), role=Role(_s(g("role"))),
+        cell_id=cell_id, address=_s(g("address")), host=_s(g("host")), role=CellRole(_s(g("role"))),
         is_core=_s(g("is_core")) == "1", kv_capacity_tokens=_i(g("kv_capacity_tokens")),
         kv_used_tokens=_i(g("kv_used_tokens")), inflight=_i(g("inflight")), weight_version=_i(g("weight_version")),
         heartbeat_s=_i(g("heartbeat_ms")) / 1000, registered_s=_i(g("registered_ms")) / 1000,

@@ -31,6 +31,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from services.common.roles import AgentRoleName
 from services.task import prompts
 from services.task.dsl import DslError, run_program
 from services.task.scoring import ATTEMPTS_PATH
@@ -52,7 +53,6 @@ __all__ = [
     "TestRun",
 ]
 
-Role = Literal["main", "subagent", "summary"]
 EndStatus = Literal["finished", "timeout", "failed"]
 
 
@@ -64,7 +64,7 @@ class CallContext:
     execution_id: str
     call_id: str
     agent_id: str
-    role: Role
+    role: AgentRoleName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,10 +182,10 @@ def run_visible_tests(module: ModuleSpec, codes: dict[str, str]) -> TestRun:
 class _Context:
     """One agent's running context: a token array plus the segments' bookkeeping."""
 
-    def __init__(self, codec: Codec, agent_id: str, role: Role, system: str) -> None:
+    def __init__(self, codec: Codec, agent_id: str, role: AgentRoleName, system: str) -> None:
         self.codec = codec
         self.agent_id = agent_id
-        self.role: Role = role
+        self.role: AgentRoleName = role
         self.system = system
         self.ids = codec.encode(system)
 
@@ -214,7 +214,7 @@ class ModelCaller:
         digest = hashlib.blake2b(f"{self.execution_id}/{call_id}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 1
 
-    def __call__(self, prompt_ids: np.ndarray, agent_id: str, role: Role, max_new_tokens: int) -> np.ndarray:
+    def __call__(self, prompt_ids: np.ndarray, agent_id: str, role: AgentRoleName, max_new_tokens: int) -> np.ndarray:
         """The output ids of one call, always closed by the end-of-turn id; raises ExecutionTimeout
         past the deadline and ExecutionCancelled when told to stop."""
         if self.cancelled is not None and self.cancelled.is_set():
@@ -272,7 +272,7 @@ class _Execution:
                                   result=self.result)
 
     # ---- model calls ------------------------------------------------------------------------
-    def _call(self, ctx: _Context, role: Role, max_new_tokens: int) -> np.ndarray:
+    def _call(self, ctx: _Context, role: AgentRoleName, max_new_tokens: int) -> np.ndarray:
         return self.caller(ctx.ids, ctx.agent_id, role, max_new_tokens)
 
     def _make_room(self, ctx: _Context, pending_tokens: int) -> bool:

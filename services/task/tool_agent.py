@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.roles import AgentRoleName
 from services.task.agent import (
     ExecutionCancelled,
     ExecutionResult,
     ExecutionTimeout,
     ModelCaller,
     ModelClient,
-    Role,
 )
 from services.task.spec import TaskSpec
 from services.task.tool_env import (
@@ -108,7 +108,7 @@ class _ToolExecution:
         return np.concatenate([head, self.codec.encode(f"{IM_START}user\nsummary "), summary[:-1],
                                self.codec.encode(f"{IM_END}\n"), piece])
 
-    def agent(self, scope: Scope, message: str, agent_id: str, role: Role) -> None:
+    def agent(self, scope: Scope, message: str, agent_id: str, role: AgentRoleName) -> None:
         """One agent's loop until it replies without a call (or runs out of calls)."""
         head = np.concatenate([self.system, self.codec.encode(render_turn("user", message))])
         ctx = np.concatenate([head, self.codec.encode(f"{IM_START}assistant\n")])

@@ -34,6 +34,8 @@ from typing import Protocol
 
 import numpy as np
 
+from services.common.roles import AGENT_ROLES
+
 
 class Speeds(Protocol):
     """Solo model speeds (services.scheduler.sim.cost_model.CostModel has them)."""
@@ -90,7 +92,6 @@ class TraceExecution:
 
 EXECUTION_FIELDS = frozenset({"step", "group", "execution_id", "turns", "timeout_s"})
 TURN_FIELDS = frozenset({"prompt_tokens", "gen_tokens", "env_s", "agent", "role", "compact_to"})
-ROLES = ("main", "subagent", "summary")
 
 
 def _turn_meta(turns: list, gen: np.ndarray, prompt: np.ndarray
@@ -105,8 +106,8 @@ def _turn_meta(turns: list, gen: np.ndarray, prompt: np.ndarray
         if not isinstance(agent, str) or not agent or len(agent) > 64 or "/" in agent:
             raise ValueError(f"turn {k}: agent must be a name of 1-64 characters without '/', got {agent!r}")
         role = t.get("role", "main" if agent == "main" else "subagent")
-        if role not in ROLES:
-            raise ValueError(f"turn {k}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role not in AGENT_ROLES:
+            raise ValueError(f"turn {k}: role must be one of {', '.join(AGENT_ROLES)}, got {role!r}")
         if (role == "main") != (agent == "main"):
             raise ValueError(f"turn {k}: the agent 'main' and only it has the role 'main' (agent {agent!r}, "
                              f"role {role!r})")

@@ -31,36 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from services.common.roles import AgentRole
 from services.trajectory.trie import ROOT, TokenTrie
 
 INT32_MAX = 2**31 - 1
 # Engines report log-probs computed in reduced precision; tiny positive values are rounding.
 LOGPROB_TOLERANCE = 1e-3
-
-
-class Role(enum.IntEnum):
-    """Agent role of a model call; the value is the path-selection priority (lower wins).
-    Values equal gyre.v1.Role."""
-
-    MAIN = 1
-    SUBAGENT = 2
-    SUMMARY = 3
-
-    @classmethod
-    def parse(cls, value: Any) -> Role:
-        if isinstance(value, Role):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            try:
-                return cls(value)
-            except ValueError:
-                pass
-        elif isinstance(value, str):
-            name = value.strip().upper().removeprefix("ROLE_").replace("-", "").replace("_", "")
-            aliases = {"MAIN": cls.MAIN, "SUBAGENT": cls.SUBAGENT, "SUMMARY": cls.SUMMARY}
-            if name in aliases:
-                return aliases[name]
-        raise ValueError(f"role {value!r} is unknown; expected main, subagent or summary")
 
 
 class Status(enum.IntEnum):
@@ -127,7 +103,7 @@ class TitoCall:
     execution_id: str
     call_id: str
     agent_id: str
-    role: Role
+    role: AgentRole
     output_ids: np.ndarray
     output_logprobs: np.ndarray
     weight_version: int
@@ -151,7 +127,7 @@ class TitoCall:
             raise ValueError("record has an empty execution_id")
         if not self.call_id:
             raise ValueError(f"record of execution {self.execution_id!r} has an empty call_id")
-        object.__setattr__(self, "role", Role.parse(self.role))
+        object.__setattr__(self, "role", AgentRole.parse(self.role))
         if (self.prompt_ids is None) == (self.delta is None):
             raise ValueError(f"{where}: set exactly one of prompt_ids and delta")
         out = token_array(self.output_ids, f"{where}: output_ids")
@@ -410,7 +386,7 @@ def parse_call(obj: dict[str, Any], *, where: str = "record") -> TitoCall:
         prompt = obj.get("prompt_ids") if delta is None else None
         if delta is None and prompt is None:
             raise ValueError("it has neither prompt_ids nor delta")
-        role = Role.parse(obj.get("role", "main"))
+        role = AgentRole.parse(obj.get("role", "main"))
         return TitoCall(
             execution_id=str(obj.get("execution_id", "")),
             call_id=str(obj.get("call_id", "")),

@@ -33,7 +33,8 @@ import redis
 
 from services.common.blobs import BlobStore
 from services.common.redis_store import Keys
-from services.trajectory.records import Outcome, PromptDelta, Role, Status, TitoCall
+from services.trajectory.records import Outcome, PromptDelta, Status, TitoCall
+from services.common.roles import AgentRole
 
 
 def _str(raw: bytes | str) -> str:
@@ -155,7 +156,7 @@ class TrajectoryStore:
                 policy = arr[2 + n_new + 2 * n_out : 2 + n_new + 3 * n_out].view(np.float32)
                 forced = arr[2 + n_new + 3 * n_out : 2 + n_new + 4 * n_out].astype(bool)
             out.append(TitoCall(
-                execution_id=execution_id, call_id=e["call_id"], agent_id=e["agent_id"], role=Role(e["role"]),
+                execution_id=execution_id, call_id=e["call_id"], agent_id=e["agent_id"], role=AgentRole(e["role"]),
                 output_ids=out_ids, output_logprobs=lps, weight_version=int(e["version"]),
                 delta=PromptDelta(e["base"], int(e["shared"]), new), job_id=job_id,
                 finished_at_s=float(e["t"]), finish_reason=e["finish"],

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.trajectory.records import PromptDelta, Role, TitoCall
+from services.trajectory.records import PromptDelta, TitoCall
+
+from services.common.roles import AgentRole
 from services.trajectory.trie import ROOT, TokenTrie
 
 
@@ -46,7 +48,7 @@ class CallEntry:
     index: int
     call_id: str
     agent_id: str
-    role: Role
+    role: AgentRole
     weight_version: int
     prompt_len: int
     full_len: int

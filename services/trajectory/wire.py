@@ -13,7 +13,8 @@ import numpy as np
 from protos.gyre.v1 import common_pb2, trajectory_pb2
 from services.common.errors import InvalidArgument
 from services.trajectory.packing import DTYPES, PackedBatch
-from services.trajectory.records import Outcome, PromptDelta, Role, Status, TitoCall
+from services.trajectory.records import Outcome, PromptDelta, Status, TitoCall
+from services.common.roles import AgentRole
 from services.trajectory.steps import StepPlan
 
 _WIRE_DTYPES = {**DTYPES, "trainable": np.uint8}
@@ -35,7 +36,7 @@ def record_from_proto(rec: common_pb2.TitoRecord) -> TitoCall:
         d = rec.delta
         delta = PromptDelta(d.base_call_id, int(d.shared_prefix_len), _ids(d.new_ids))
     try:
-        role = Role.parse(int(ctx.role))
+        role = AgentRole.parse(int(ctx.role))
     except ValueError:
         raise InvalidArgument(f"record {ctx.call_id!r} of execution {ctx.execution_id!r}: role {ctx.role} is not "
                               "ROLE_MAIN, ROLE_SUBAGENT or ROLE_SUMMARY") from None

@@ -38,7 +38,8 @@ from protos.gyre.v1 import reward_pb2, rollout_pb2, trainer_pb2, trajectory_pb2
 from services.reward.client import RewardClient
 from services.reward.scorers import ScorerSpec
 from services.trajectory.client import TrajectoryClient
-from services.trajectory.records import Role, TitoCall
+from services.trajectory.records import TitoCall
+from services.common.roles import AgentRole
 from tests.support.proto_fuzz import st_message
 from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess, health, stop_all
@@ -173,7 +174,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     for name, p in procs.items()}
         # Ids that exist, so requests get past "not found".
         with TrajectoryClient(procs["trajectory"].address) as traj:
-            traj.ingest([TitoCall(EXEC, "c0", "main", Role.MAIN, np.array([5, 6, 7]), np.full(3, -0.5), 0,
+            traj.ingest([TitoCall(EXEC, "c0", "main", AgentRole.MAIN, np.array([5, 6, 7]), np.full(3, -0.5), 0,
                                   prompt_ids=np.arange(1, 9), job_id=JOB)])
             traj.open_step(JOB, 0, num_executions=2, group_size=2)
         with RewardClient(procs["reward"].address) as rew:

@@ -26,7 +26,8 @@ from services.reward.scorers import ScorerSpec
 from services.scheduler.client import SchedulerClient
 from services.scheduler.jobs import ExecState, TimeoutPolicy
 from services.trajectory.client import TrajectoryClient
-from services.trajectory.records import Role, TitoCall
+from services.trajectory.records import TitoCall
+from services.common.roles import AgentRole
 from tests.service.scheduler_support import job_spec, wait_until
 from tests.support.harness_scorer import PARTS
 from tests.support.service_process import ServiceProcess, kill_group, spawn, stop_all
@@ -68,7 +69,7 @@ def _prepare(stack: dict[str, ServiceProcess], *, group_size: int, max_attempts:
         traj.open_step(JOB, 0, num_executions=group_size, group_size=group_size)
         for e in range(group_size):  # the executions' model calls, as the gateway would have recorded them
             eid = f"{JOB}.s0.g0.e{e}"
-            traj.ingest([TitoCall(eid, "c0", "main", Role.MAIN, np.array([5, 6, 7]), np.full(3, -0.5), 0,
+            traj.ingest([TitoCall(eid, "c0", "main", AgentRole.MAIN, np.array([5, 6, 7]), np.full(3, -0.5), 0,
                                   prompt_ids=np.arange(1, 9), job_id=JOB)])
 
 

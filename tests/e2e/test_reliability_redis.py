@@ -19,7 +19,8 @@ import pytest
 
 from services.common.errors import GyreError
 from services.scheduler.client import SchedulerClient
-from services.scheduler.jobs import ExecState, Role
+from services.scheduler.jobs import ExecState
+from services.common.roles import CellRole
 from services.trajectory.client import TrajectoryClient
 from services.trajectory.records import Outcome, Status, TitoCall
 from tests.service.scheduler_support import job_spec, wait_until
@@ -62,8 +63,8 @@ def test_redis_restart_keeps_queue_leases_registry_and_records(services: dict[st
     tclient = TrajectoryClient(traj.address, timeout_s=30)
     try:
         # -- before: a job with 4 executions, 2 leased (one harness then vanishes), 2 cells, records
-        client.register_cell(cell_id="core", address="127.0.0.1:1", role=Role.TRAIN, is_core=True)
-        client.register_cell(cell_id="c1", address="127.0.0.1:2", role=Role.ROLLOUT, kv_capacity_tokens=4096)
+        client.register_cell(cell_id="core", address="127.0.0.1:1", role=CellRole.TRAIN, is_core=True)
+        client.register_cell(cell_id="c1", address="127.0.0.1:2", role=CellRole.ROLLOUT, kv_capacity_tokens=4096)
         client.submit_job(job_spec(JOB, num_steps=1, groups_per_step=2, group_size=2))
         kept = client.lease("harness-a", job_id=JOB, wait_s=10)
         lost = client.lease("harness-b", job_id=JOB, wait_s=10)  # harness-b never heartbeats again

@@ -23,7 +23,8 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.client import TrainerClient
 from services.trainer.job import TrainerJob
 from services.trajectory.client import TrajectoryClient
-from services.trajectory.records import Outcome, Role, Status, TitoCall
+from services.trajectory.records import Outcome, Status, TitoCall
+from services.common.roles import AgentRole
 from tests.service.scheduler_support import wait_until
 from tests.support.service_process import ServiceProcess, stop_all
 
@@ -134,7 +135,7 @@ def _execution(rng: np.random.Generator, eid: str) -> list[TitoCall]:
     lp = lambda n: np.full(n, -np.log(512.0), np.float32) + rng.normal(0, 0.05, n).astype(np.float32)  # noqa: E731
     second = np.concatenate([prompt, out1, rng.integers(0, 512, 4)])
     retry = np.concatenate([prompt, out1[:3]])
-    return [TitoCall(eid, f"{eid}-c{i}", "main", Role.MAIN, out, lp(len(out)), 0, prompt_ids=p, job_id=JOB)
+    return [TitoCall(eid, f"{eid}-c{i}", "main", AgentRole.MAIN, out, lp(len(out)), 0, prompt_ids=p, job_id=JOB)
             for i, (p, out) in enumerate([(prompt, out1), (second, out2), (retry, out3)])]
 
 

@@ -24,7 +24,7 @@ from services.harness.harness import Harness
 from services.task.gateway_client import common_prefix_len
 from services.task.model import BuiltinModelSpec, ensure_builtin_model
 from services.task.tokenizer import Codec
-from services.trajectory.records import Role
+from services.common.roles import AgentRole
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.main import build_trajectory
 from tests.service.scheduler_support import in_process_scheduler, job_spec, wait_until
@@ -121,8 +121,8 @@ def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: di
     summaries = subagent_calls = repeats = 0
     for eid, recs in by_exec.items():
         roles = [r.role for r in recs]
-        summaries += roles.count(Role.SUMMARY)
-        subagent_calls += roles.count(Role.SUBAGENT)
+        summaries += roles.count(AgentRole.SUMMARY)
+        subagent_calls += roles.count(AgentRole.SUBAGENT)
         keys = [r.prompt_ids.tobytes() for r in recs]
         repeats += len(keys) - len(set(keys))
         for r in recs:
@@ -138,7 +138,7 @@ def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: di
     assert repeats > 0, "a failed module is retried from its earlier context (an identical prompt)"
     # After a compaction the next context starts with the summary's own output ids (no re-tokenizing).
     recs = next(iter(by_exec.values()))
-    i = next(k for k, r in enumerate(recs) if r.role == Role.SUMMARY)
+    i = next(k for k, r in enumerate(recs) if r.role == AgentRole.SUMMARY)
     out = recs[i].output_ids
     out = out[:-1] if len(out) and out[-1] == Codec.from_dir(model_dir).eos_id else out
     later = [r for r in recs[i + 1:] if not np.array_equal(r.prompt_ids[:len(recs[i].prompt_ids)], recs[i].prompt_ids)]
@@ -183,7 +183,7 @@ def test_harness_runs_tool_executions_through_the_gateway(tool_stack: dict, tool
         assert first.startswith("<|im_start|>system\nYou write GyreStack modules") and "<tools>" in first
         assert first.endswith("next open_module m1<|im_end|>\n<|im_start|>assistant\n")
         calls += sum("<tool_call>" in codec.decode(r.output_ids) for r in recs)
-        main = [r for r in recs if r.role == Role.MAIN]
+        main = [r for r in recs if r.role == AgentRole.MAIN]
         for prev, cur in zip(main, main[1:]):
             full = np.concatenate([prev.prompt_ids, prev.output_ids])
             # the next call extends this one, or restarts from a compaction / a retry's earlier prompt

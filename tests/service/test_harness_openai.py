@@ -25,7 +25,7 @@ from services.scheduler.orchestrator import Orchestrator
 from services.scheduler.sessions import Sessions
 from services.task.model import BuiltinModelSpec, ensure_builtin_model
 from services.task.tokenizer import Codec
-from services.trajectory.records import Role
+from services.common.roles import AgentRole
 from tests.service.scheduler_support import in_process_scheduler, job_spec
 from tests.support.rollout_cluster import start_engine, start_gateway
 
@@ -98,7 +98,7 @@ def test_openai_harness_runs_executions_and_grades_them_itself(stack: dict, mode
     reward = RewardClient(stack["reward"])
     for eid in eids:
         recs = [r for r in gw.records if r.execution_id == eid]
-        assert all(r.role == Role.MAIN and r.agent_id == "main" for r in recs)
+        assert all(r.role == AgentRole.MAIN and r.agent_id == "main" for r in recs)
         # The chat template reproduces the built-in prompt format token for token.
         first = codec.tok.decode(recs[0].prompt_ids.tolist(), skip_special_tokens=False)
         assert first.startswith("<|system|> task modules m1 m2 <|user|> module m1 tests")
@@ -131,8 +131,8 @@ def test_an_unmodified_client_with_only_a_session_base_url_is_recorded_under_its
     _, sub_url = sched.client.mint_session(lease.execution_id, lease.lease_token, agent_id="sub-1", role="subagent")
     ask(sub_url)
     recs = [r for r in gw.records if r.execution_id == lease.execution_id]
-    assert [(r.job_id, r.agent_id, r.role, r.attempt) for r in recs] == [("sj", "main", Role.MAIN, 1),
-                                                                        ("sj", "sub-1", Role.SUBAGENT, 1)]
+    assert [(r.job_id, r.agent_id, r.role, r.attempt) for r in recs] == [("sj", "main", AgentRole.MAIN, 1),
+                                                                        ("sj", "sub-1", AgentRole.SUBAGENT, 1)]
     with pytest.raises(openai.NotFoundError, match="unknown or expired session"):
         ask(stack["http"].base_url.removesuffix("/v1") + "/s/not-a-session/v1")
     with pytest.raises(FailedPrecondition, match="not leased with this lease token"):

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from services.rollout.http_async import AsyncOpenAIServer
 from services.rollout.http_server import OpenAIServer
 from services.rollout.openai_http import OpenAIEndpoint
-from services.trajectory.records import Role
+from services.common.roles import AgentRole
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
 from tests.support.rollout_tokenizer import make_chatml_tokenizer
 from tests.support.waiting import wait_until
@@ -78,7 +78,7 @@ def test_chat_turns_keep_the_exact_ids_of_earlier_turns(stack: tuple[Server, Loc
     # (tests/unit/test_rollout_chat.py covers outputs whose re-tokenization would drift.)
     # Each call is a TITO record with exactly these ids.
     recs = [r for r in gw.records if r.execution_id == "ex-chat"]
-    assert len(recs) == 2 and all(r.job_id == "job-o" and r.role == Role.MAIN for r in recs)
+    assert len(recs) == 2 and all(r.job_id == "job-o" and r.role == AgentRole.MAIN for r in recs)
     np.testing.assert_array_equal(recs[1].prompt_ids, g2["prompt_ids"])
     np.testing.assert_array_equal(recs[0].output_ids, g1["output_ids"])
 
@@ -95,7 +95,7 @@ def test_chat_stream_yields_the_same_text(stack: tuple[Server, LocalGateway, Any
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     rec = next(r for r in gw.records if r.execution_id == "ex-stream")
-    assert rec.role == Role.SUBAGENT and len(rec.output_ids) == 16
+    assert rec.role == AgentRole.SUBAGENT and len(rec.output_ids) == 16
 
 
 def test_completions_with_ids_and_text(stack: tuple[Server, LocalGateway, Any]) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from protos.gyre.v1 import scheduler_pb2 as pb
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from services.scheduler.jobs import ExecState, JobState, Mode, Role
+from services.scheduler.jobs import ExecState, JobState, Mode
+from services.common.roles import CellRole
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
 from tests.support.waiting import wait_until
@@ -195,24 +196,24 @@ def test_submit_without_id_and_with_generator(sched: InProcess) -> None:
 
 def test_cells_register_heartbeat_list_deregister(sched: InProcess) -> None:
     c = sched.client
-    assert c.register_cell(cell_id="core", address="127.0.0.1:1", role=Role.TRAIN, is_core=True)
-    assert c.register_cell(cell_id="c1", address="127.0.0.1:2", role=Role.IDLE, kv_capacity_tokens=4096)
-    assert not c.register_cell(cell_id="c1", address="127.0.0.1:2", role=Role.ROLLOUT, kv_capacity_tokens=4096)
-    assert c.cell_heartbeat("c1", role=Role.ROLLOUT, inflight=2, kv_used_tokens=100,
-                            kv_capacity_tokens=4096) == (Role.ROLLOUT, None)
+    assert c.register_cell(cell_id="core", address="127.0.0.1:1", role=CellRole.TRAIN, is_core=True)
+    assert c.register_cell(cell_id="c1", address="127.0.0.1:2", role=CellRole.IDLE, kv_capacity_tokens=4096)
+    assert not c.register_cell(cell_id="c1", address="127.0.0.1:2", role=CellRole.ROLLOUT, kv_capacity_tokens=4096)
+    assert c.cell_heartbeat("c1", role=CellRole.ROLLOUT, inflight=2, kv_used_tokens=100,
+                            kv_capacity_tokens=4096) == (CellRole.ROLLOUT, None)
     cells = {i.cell.cell_id: i for i in c.list_cells()}
     assert cells["c1"].cell.inflight == 2 and cells["c1"].alive and cells["core"].cell.is_core
     cordoned = c.cordon_cell("c1", reason="host maintenance")
     assert cordoned.cordoned and cordoned.cordon_reason == "host maintenance"
     # its agent restarting (registering again) keeps the operator's cordon
-    assert not c.register_cell(cell_id="c1", address="127.0.0.1:3", role=Role.ROLLOUT, kv_capacity_tokens=4096)
+    assert not c.register_cell(cell_id="c1", address="127.0.0.1:3", role=CellRole.ROLLOUT, kv_capacity_tokens=4096)
     assert {i.cell.cell_id: i.cell.cordon_reason for i in c.list_cells()} == {"core": "", "c1": "host maintenance"}
     assert not c.cordon_cell("c1", cordoned=False).cordoned
     with pytest.raises(FailedPrecondition, match="core cell"):
         c.cordon_cell("core")
-    assert c.deregister_cell("c1") is Role.ROLLOUT
+    assert c.deregister_cell("c1") is CellRole.ROLLOUT
     with pytest.raises(NotFound, match="RegisterCell"):
-        c.cell_heartbeat("c1", role=Role.ROLLOUT)
+        c.cell_heartbeat("c1", role=CellRole.ROLLOUT)
 
 
 def test_admission_never_overlaps_running_jobs_cells(sched: InProcess) -> None:

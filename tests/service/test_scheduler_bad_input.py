@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos.gyre.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc as pbg
-from services.scheduler.jobs import ExecState, Role
+from services.scheduler.jobs import ExecState
+from services.common.roles import CellRole
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, in_process_scheduler, job_spec
 
@@ -46,8 +47,8 @@ def env(_session_redis: object) -> Iterator[tuple[InProcess, Stubs, dict[str, st
         assert stale and lease and d
         s.client.complete(d.execution_id, d.lease_token, ExecState.FINISHED)
         s.client.report_training("done", 0, "published", 1)
-        s.client.register_cell(cell_id="sw", address="127.0.0.1:9", role=Role.ROLLOUT)
-        s.state.begin_switch(cell_id="sw", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="live")
+        s.client.register_cell(cell_id="sw", address="127.0.0.1:9", role=CellRole.ROLLOUT)
+        s.state.begin_switch(cell_id="sw", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="live")
         # make `stale` stale: expire it by hand (ttl 0) and lease it again
         s.state.heartbeat(stale.execution_id, stale.lease_token, 0.0)
         s.state.reap_expired()

@@ -14,7 +14,8 @@ import pytest
 
 from services.common.errors import FailedPrecondition, GyreError
 from services.scheduler.client import CellAgentClient, SchedulerClient
-from services.scheduler.jobs import ExecState, JobState, Mode, Role
+from services.scheduler.jobs import ExecState, JobState, Mode
+from services.common.roles import CellRole
 from tests.service.scheduler_support import Proc, job_spec, start_agent, start_scheduler, wait_until
 
 
@@ -42,7 +43,7 @@ def test_kill_mid_switch_then_restart_completes_the_switch_once(redis_url: str, 
     client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
 
     def switching() -> bool:
-        return any(i.cell.cell_id == "c1" and i.cell.role is Role.SWITCHING for i in client.list_cells())
+        return any(i.cell.cell_id == "c1" and i.cell.role is CellRole.SWITCHING for i in client.list_cells())
 
     wait_until(switching, 20, "c1 to start switching")
     sched.kill()
@@ -54,22 +55,22 @@ def test_kill_mid_switch_then_restart_completes_the_switch_once(redis_url: str, 
 
     state = SchedulerState(connect(redis_url))
     [pending] = state.pending_switches()
-    assert (pending.cell_id, pending.switch_from, pending.switch_to) == ("c1", Role.ROLLOUT, Role.TRAIN)
+    assert (pending.cell_id, pending.switch_from, pending.switch_to) == ("c1", CellRole.ROLLOUT, CellRole.TRAIN)
 
     sched2 = start_scheduler(redis_url, tmp_path, name="scheduler-2")
     procs.append(sched2)
-    wait_until(lambda: state.get_cell("c1").role is Role.TRAIN, 30, "the restarted scheduler to finish the switch")
+    wait_until(lambda: state.get_cell("c1").role is CellRole.TRAIN, 30, "the restarted scheduler to finish the switch")
     finished = [e for e in state.switch_log() if e.attrs["cell_id"] == "c1"]
     assert [e.kind for e in finished] == ["switch_finished"]
     assert finished[0].attrs["switch_id"] == pending.switch_id and int(finished[0].attrs["duration_ms"]) > 0
     assert state.pending_switches() == []
     with CellAgentClient(c1.address, timeout_s=10) as agent:
         _cell, role, last = agent.get_role()
-    assert role is Role.TRAIN and last == pending.switch_id  # the agent switched exactly once
+    assert role is CellRole.TRAIN and last == pending.switch_id  # the agent switched exactly once
     # the job carries on: the update publishes, the restarted scheduler opens step 1 and the pool returns
     with SchedulerClient(sched2.address, timeout_s=10) as c2:
         c2.report_training("j1", 0, "published", 1)
-        wait_until(lambda: state.get_cell("c1").role is Role.ROLLOUT, 30, "c1 back to rollout")
+        wait_until(lambda: state.get_cell("c1").role is CellRole.ROLLOUT, 30, "c1 back to rollout")
         assert c2.get_job("j1").enqueued_steps == 2
 
 

@@ -22,7 +22,8 @@ from services.rollout.calls import CallMeta
 from services.rollout.engine import SamplingParams
 from services.scheduler.actuators import AgentActuator
 from services.scheduler.client import CellAgentClient
-from services.scheduler.jobs import ExecState, Mode, Role
+from services.scheduler.jobs import ExecState, Mode
+from services.common.roles import CellRole
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, Proc, in_process_scheduler, job_spec, start_agent, wait_until
 from tests.support.rollout_cluster import LocalEngine, LocalGateway, start_engine, start_gateway
@@ -87,7 +88,7 @@ def test_consolidation_migrates_the_busy_cells_call_and_nothing_is_interrupted(
     s.client.complete(done.execution_id, done.lease_token, ExecState.FINISHED)  # a group is ready to train
 
     actions = orch.step_job(s.state.get_job("j1"))  # the policy frees one cell, migrating its call
-    assert len(actions) == 1 and actions[0].to_role is Role.TRAIN and actions[0].migrate_to
+    assert len(actions) == 1 and actions[0].to_role is CellRole.TRAIN and actions[0].migrate_to
     freed, target = actions[0].cell_id, actions[0].migrate_to[0]
     assert orch.wait_switches(60)
     for t in threads:
@@ -97,9 +98,9 @@ def test_consolidation_migrates_the_busy_cells_call_and_nothing_is_interrupted(
     assert sum(r.num_migrations for r in results.values()) == 1  # the freed cell's call moved, once
     assert {r.cell_id for r in results.values()} == {target}  # both calls finished on the remaining engine
     roles = {i.cell.cell_id: i.cell.role for i in s.client.list_cells()}
-    assert roles[freed] is Role.TRAIN and roles[target] is Role.ROLLOUT and roles["core"] is Role.TRAIN
+    assert roles[freed] is CellRole.TRAIN and roles[target] is CellRole.ROLLOUT and roles["core"] is CellRole.TRAIN
     with CellAgentClient(agents[freed].address, timeout_s=10) as agent:
-        assert agent.get_role()[1] is Role.TRAIN
+        assert agent.get_role()[1] is CellRole.TRAIN
     assert [e.cell_id for e in gateway.list_engines()] == [target]  # drained and deregistered
     [switch] = s.state.switch_log()
     assert switch.kind == "switch_finished" and switch.attrs["cell_id"] == freed

@@ -18,7 +18,8 @@ from services.common.errors import Unavailable
 from services.common.metrics import REGISTRY
 from services.scheduler.actuators import AgentActuator
 from services.scheduler.client import CellAgentClient
-from services.scheduler.jobs import ExecState, JobState, Mode, Role
+from services.scheduler.jobs import ExecState, JobState, Mode
+from services.common.roles import CellRole
 from services.scheduler.orchestrator import Orchestrator
 from tests.service.scheduler_support import InProcess, Proc, in_process_scheduler, job_spec, start_agent, wait_until
 
@@ -48,11 +49,11 @@ def agents(sched: InProcess, tmp_path: Path, request: pytest.FixtureRequest) -> 
         p.terminate()
 
 
-def roles(s: InProcess) -> dict[str, Role]:
+def roles(s: InProcess) -> dict[str, CellRole]:
     return {i.cell.cell_id: i.cell.role for i in s.client.list_cells()}
 
 
-def agent_role(p: Proc) -> Role:
+def agent_role(p: Proc) -> CellRole:
     with CellAgentClient(p.address, timeout_s=10) as c:
         return c.get_role()[1]
 
@@ -72,24 +73,24 @@ def test_colocate_pool_alternates_through_real_agents(sched: InProcess, agents: 
     before = switch_count("rollout", "train")
     s.client.submit_job(job_spec(num_steps=2, groups_per_step=1, group_size=2, mode=Mode.COLOCATE))
     tick(orch)  # admit, enqueue step 0, idle cells -> ROLLOUT
-    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
-    assert agent_role(agents["c1"]) is Role.ROLLOUT
+    assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.ROLLOUT, "c2": CellRole.ROLLOUT}
+    assert agent_role(agents["c1"]) is CellRole.ROLLOUT
 
     lease = s.client.lease("h", job_id="j1")
     assert lease is not None
     tick(orch)  # an execution runs: nobody moves
-    assert roles(s)["c1"] is Role.ROLLOUT
+    assert roles(s)["c1"] is CellRole.ROLLOUT
     s.client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
     last = s.client.lease("h", job_id="j1")
     assert last is not None
     s.client.complete(last.execution_id, last.lease_token, ExecState.FINISHED)
     tick(orch)  # step rolled out: the pool joins training
-    assert roles(s) == {"core": Role.TRAIN, "c1": Role.TRAIN, "c2": Role.TRAIN}
-    assert agent_role(agents["c2"]) is Role.TRAIN
+    assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.TRAIN, "c2": CellRole.TRAIN}
+    assert agent_role(agents["c2"]) is CellRole.TRAIN
 
     s.client.report_training("j1", 0, "published", 1)
     tick(orch)  # step 1 opens: back to ROLLOUT
-    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+    assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.ROLLOUT, "c2": CellRole.ROLLOUT}
 
     log = s.state.switch_log()
     assert [e.kind for e in log] == ["switch_finished"] * 6
@@ -111,21 +112,21 @@ def test_elastic_never_interrupts_a_busy_cell(sched: InProcess, agents: dict[str
     leases = [s.client.lease("h", job_id="j1") for _ in range(4)]
     assert all(leases)
     # the engines report their load: c1 hosts three executions, c2 one
-    s.client.cell_heartbeat("c1", role=Role.ROLLOUT, inflight=3, kv_used_tokens=3000, kv_capacity_tokens=4000)
-    s.client.cell_heartbeat("c2", role=Role.ROLLOUT, inflight=1, kv_used_tokens=1000, kv_capacity_tokens=4000)
+    s.client.cell_heartbeat("c1", role=CellRole.ROLLOUT, inflight=3, kv_used_tokens=3000, kv_capacity_tokens=4000)
+    s.client.cell_heartbeat("c2", role=CellRole.ROLLOUT, inflight=1, kv_used_tokens=1000, kv_capacity_tokens=4000)
     first = leases[0]
     assert first is not None
     s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
-    s.client.cell_heartbeat("c1", role=Role.ROLLOUT, inflight=2, kv_used_tokens=2000, kv_capacity_tokens=4000)
+    s.client.cell_heartbeat("c1", role=CellRole.ROLLOUT, inflight=2, kv_used_tokens=2000, kv_capacity_tokens=4000)
     tick(orch)  # the policy frees c2 by migrating its execution to c1; no gateway -> refused, rolled back
-    assert roles(s)["c2"] is Role.ROLLOUT and agent_role(agents["c2"]) is Role.ROLLOUT
+    assert roles(s)["c2"] is CellRole.ROLLOUT and agent_role(agents["c2"]) is CellRole.ROLLOUT
     back = s.state.switch_log()[-1]
     assert back.kind == "switch_rolled_back" and "refusing to interrupt" in back.attrs["error"]
 
-    s.client.cell_heartbeat("c2", role=Role.ROLLOUT, inflight=0, kv_used_tokens=0, kv_capacity_tokens=4000)
+    s.client.cell_heartbeat("c2", role=CellRole.ROLLOUT, inflight=0, kv_used_tokens=0, kv_capacity_tokens=4000)
     tick(orch)  # c2 is empty now: it leaves without interrupting anything
-    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.TRAIN}
-    assert agent_role(agents["c2"]) is Role.TRAIN and agent_role(agents["core"]) is Role.TRAIN
+    assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.ROLLOUT, "c2": CellRole.TRAIN}
+    assert agent_role(agents["c2"]) is CellRole.TRAIN and agent_role(agents["core"]) is CellRole.TRAIN
     assert s.client.get_job("j1").state is JobState.RUNNING
 
 
@@ -135,9 +136,9 @@ def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None
     s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC, staleness_bound=1,
                                  cell_ids=("gone", "stale")))
     for cid in ("gone", "stale"):
-        s.client.register_cell(cell_id=cid, address="127.0.0.1:1", role=Role.ROLLOUT)  # nothing listens there
-    s.state.begin_switch(cell_id="gone", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1")
-    s.state.begin_switch(cell_id="stale", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1")
+        s.client.register_cell(cell_id=cid, address="127.0.0.1:1", role=CellRole.ROLLOUT)  # nothing listens there
+    s.state.begin_switch(cell_id="gone", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
+    s.state.begin_switch(cell_id="stale", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
     s.state.r.hset(s.state.keys.cell("stale"), "switch_started_ms", 1000)  # this one started long ago
     orch = Orchestrator(s.state, AgentActuator(timeout_s=5), instance_id="restarted", switch_timeout_s=60,
                         metrics_event_interval_s=3600)
@@ -146,14 +147,14 @@ def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None
     log = {e.attrs["cell_id"]: e for e in s.state.switch_log()}
     assert log["stale"].kind == "switch_rolled_back" and "no progress" in log["stale"].attrs["error"]
     assert log["gone"].kind == "switch_rolled_back" and "also failed" in log["gone"].attrs["error"]
-    assert roles(s) == {"gone": Role.ROLLOUT, "stale": Role.ROLLOUT} and s.state.pending_switches() == []
+    assert roles(s) == {"gone": CellRole.ROLLOUT, "stale": CellRole.ROLLOUT} and s.state.pending_switches() == []
 
 
 class _MigratesThenCannotJoin:
     """The services actuator's course when the job ends mid-switch: the drain moved two requests
     (reported through ``on_migrated``), then the trainer refused the replica."""
 
-    def switch(self, cell: object, from_role: Role, to_role: Role, *, switch_id: str, job: object,
+    def switch(self, cell: object, from_role: CellRole, to_role: CellRole, *, switch_id: str, job: object,
                migrate_to: object, on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> None:
         if switch_id.endswith("-rollback"):
             return None
@@ -166,8 +167,8 @@ def test_a_migration_is_on_record_even_when_its_switch_fails_later(sched: InProc
     s = sched
     s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC,
                                  cell_ids=("c1", "c2")))
-    s.client.register_cell(cell_id="c1", address="127.0.0.1:1", role=Role.ROLLOUT)
-    s.state.begin_switch(cell_id="c1", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1")
+    s.client.register_cell(cell_id="c1", address="127.0.0.1:1", role=CellRole.ROLLOUT)
+    s.state.begin_switch(cell_id="c1", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
     orch = Orchestrator(s.state, _MigratesThenCannotJoin(), instance_id="t", switch_timeout_s=60,
                         metrics_event_interval_s=3600)
     orch.recover_switches()
@@ -197,7 +198,7 @@ def test_no_switch_before_the_jobs_trainer_is_started(sched: InProcess, agents: 
         assert orch.tick()
         assert orch.wait_switches(30.0)
     assert s.client.get_job("j1").state is JobState.RUNNING and not controller.ready(s.client.get_job("j1"))
-    assert roles(s) == {"core": Role.TRAIN, "c1": Role.ROLLOUT, "c2": Role.ROLLOUT}
+    assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.ROLLOUT, "c2": CellRole.ROLLOUT}
     assert not [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c2"]
 
 

@@ -17,7 +17,7 @@ from services.common import errors, security
 from services.common.security import Security
 from services.scheduler.client import SchedulerClient
 from services.scheduler.jobfile import load_job
-from services.scheduler.jobs import Role
+from services.common.roles import CellRole
 from tests.support.redis_server import RedisServer
 from tests.support.service_process import ServiceProcess, stop_all
 
@@ -70,7 +70,7 @@ def test_each_role_calls_only_its_rpcs_and_refused_calls_write_nothing(scheduler
                 with pytest.raises(errors.PermissionDenied, match="harness credential"):
                     call()
             with pytest.raises(errors.PermissionDenied, match="internal"):
-                c.register_cell(cell_id="cell-evil", address="127.0.0.1:9", role=Role.ROLLOUT)
+                c.register_cell(cell_id="cell-evil", address="127.0.0.1:9", role=CellRole.ROLLOUT)
             c.lease("w-harness")  # its own RPCs pass (nothing may be leasable yet: no engines)
             assert c.get_job(job.job_id).job_id == job.job_id
     for _ in _as(None):

@@ -35,7 +35,8 @@ from services.trainer.servicer import TrainerServicer
 from services.trajectory.client import TrajectoryClient
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.main import build_trajectory
-from services.trajectory.records import Outcome, Role, Status, TitoCall
+from services.trajectory.records import Outcome, Status, TitoCall
+from services.common.roles import AgentRole
 
 torch.set_num_threads(1)
 JOB = "svc-job"
@@ -69,7 +70,7 @@ def _execution(rng: np.random.Generator, eid: str, version: int = 0) -> list[Tit
     lp = lambda n: np.full(n, -np.log(512.0), np.float32) + rng.normal(0, 0.05, n).astype(np.float32)  # noqa: E731
     second = np.concatenate([prompt, out1, rng.integers(0, 512, 4)])
     retry = np.concatenate([prompt, out1[:3]])
-    return [TitoCall(eid, f"{eid}-c{i}", "main", Role.MAIN, out, lp(len(out)), version, prompt_ids=p, job_id=JOB)
+    return [TitoCall(eid, f"{eid}-c{i}", "main", AgentRole.MAIN, out, lp(len(out)), version, prompt_ids=p, job_id=JOB)
             for i, (p, out) in enumerate([(prompt, out1), (second, out2), (retry, out3)])]
 
 

@@ -18,7 +18,8 @@ from services.trajectory.client import TrajectoryClient
 from services.trajectory.config import TrajectoryConfig
 from services.trajectory.main import build_trajectory
 from services.trajectory.packing import PackedBatch
-from services.trajectory.records import DeltaEncoder, Outcome, Role, Status, TitoCall
+from services.trajectory.records import DeltaEncoder, Outcome, Status, TitoCall
+from services.common.roles import AgentRole
 from services.trajectory.tree import ExecutionTree
 from tests.unit.trajectory_reference import NaiveTree, random_execution
 
@@ -90,7 +91,7 @@ def test_ingest_is_durable_idempotent_and_stats_match_the_tree(start) -> None:
     ended = svc2.client.execution_stats("e1", job_id=JOB)
     assert ended.complete and ended.status == "timeout" and ended.reward == 0.25
     full = calls[-1].prompt_ids.tolist() + calls[-1].output_ids.tolist()
-    more = TitoCall("e1", "late", "a0", Role.MAIN, np.array([1, 2]), np.array([-0.5, -0.5]), 1,
+    more = TitoCall("e1", "late", "a0", AgentRole.MAIN, np.array([1, 2]), np.array([-0.5, -0.5]), 1,
                     prompt_ids=np.array(full + [3]), job_id=JOB)
     s = svc2.client.ingest([more])
     assert s.accepted == 1 and s.record_tokens == 3  # stored as a 1-token delta + 2 output tokens
@@ -98,7 +99,7 @@ def test_ingest_is_durable_idempotent_and_stats_match_the_tree(start) -> None:
 
 def test_bad_records_get_clear_statuses(start) -> None:
     svc = start(vocab_size=50)
-    ok = TitoCall("e", "c1", "a", Role.MAIN, np.array([5]), np.array([-0.1]), 0, prompt_ids=np.array([1, 2]),
+    ok = TitoCall("e", "c1", "a", AgentRole.MAIN, np.array([5]), np.array([-0.1]), 0, prompt_ids=np.array([1, 2]),
                   job_id=JOB)
     svc.client.ingest([ok])
     with pytest.raises(errors.AlreadyExists, match="already recorded with different content"):
@@ -345,7 +346,7 @@ def test_grammar_forced_tokens_stay_context_across_a_restart(start) -> None:
     from Redis + spool."""
     svc = start()
     forced = np.array([False, True, True, False, True])
-    call = TitoCall("g1", "c1", "a0", Role.MAIN, np.arange(20, 25), np.array([-0.5, 0.0, 0.0, -0.2, 0.0]), 0,
+    call = TitoCall("g1", "c1", "a0", AgentRole.MAIN, np.arange(20, 25), np.array([-0.5, 0.0, 0.0, -0.2, 0.0]), 0,
                     prompt_ids=np.arange(1, 9), job_id=JOB, output_forced=forced,
                     output_policy_logprobs=np.array([-1.5, -2.0, -0.1, -0.9, -3.0]))
     assert svc.client.ingest([call]).accepted == 1

@@ -18,7 +18,8 @@ from bench.traces.generate import TraceSpec, generate_trace
 from services.scheduler.sim.bounds import lower_bound, rollout_cell_seconds
 from services.scheduler.sim.comparison import compare, sweep_async
 from services.scheduler.sim.cost_model import CostModel
-from services.scheduler.policy import Mode, PolicyParams, Role
+from services.scheduler.policy import Mode, PolicyParams
+from services.common.roles import CellRole
 from services.scheduler.sim.cli import bench_main
 from services.scheduler.sim.simulator import Simulator, simulate
 from services.task.traces import TraceExecution, load_trace, save_trace, trace_stats
@@ -130,21 +131,21 @@ def test_every_call_runs_once_and_the_core_never_switches(params: PolicyParams) 
 
 def test_elastic_consolidates_with_migration_and_returns_cells() -> None:
     sim = run_probe(small_trace(steps=4), small_cost(), ELASTIC)
-    to_train = [x for x in sim.switch_log if x[2] is Role.ROLLOUT and x[3] is Role.TRAIN]
-    back = [x for x in sim.switch_log if x[2] is Role.TRAIN and x[3] is Role.ROLLOUT]
+    to_train = [x for x in sim.switch_log if x[2] is CellRole.ROLLOUT and x[3] is CellRole.TRAIN]
+    back = [x for x in sim.switch_log if x[2] is CellRole.TRAIN and x[3] is CellRole.ROLLOUT]
     assert to_train and back
     assert sim.migrations > 0 and any(moved > 0 for *_, moved in to_train)
 
 
 def test_async_keeps_its_split() -> None:
     sim = run_probe(small_trace(), small_cost(), PolicyParams(mode=Mode.ASYNC, async_rollout_cells=3))
-    assert [x for x in sim.switch_log if x[2] is not Role.IDLE] == []
-    assert sum(1 for c in sim.cells if c.role is Role.ROLLOUT) == 3
+    assert [x for x in sim.switch_log if x[2] is not CellRole.IDLE] == []
+    assert sum(1 for c in sim.cells if c.role is CellRole.ROLLOUT) == 3
 
 
 def test_colocate_pool_alternates_every_step() -> None:
     sim = run_probe(small_trace(), small_cost(), COLOCATE)
-    to_train = [x for x in sim.switch_log if x[3] is Role.TRAIN and x[2] is Role.ROLLOUT]
+    to_train = [x for x in sim.switch_log if x[3] is CellRole.TRAIN and x[2] is CellRole.ROLLOUT]
     assert len(to_train) == 3 * 4  # every non-core cell, every step
     assert all(moved == 0 for *_, moved in sim.switch_log)  # colocate never migrates
 

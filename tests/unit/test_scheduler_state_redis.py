@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from services.scheduler.jobs import Role, ExecState, JobSpec, JobState, Mode, TaskSource
+from services.scheduler.jobs import ExecState, JobSpec, JobState, Mode, TaskSource
+from services.common.roles import CellRole
 from services.scheduler.state import SchedulerState
 
 
@@ -175,41 +176,41 @@ def test_cancel_drops_queue_and_tells_leaseholders(st: SchedulerState) -> None:
 
 def test_cells_and_switch_lifecycle(st: SchedulerState, clock: Clock) -> None:
     running_job(st)
-    st.register_cell(cell_id="core", address="a:1", host="h", role=Role.TRAIN, is_core=True,
+    st.register_cell(cell_id="core", address="a:1", host="h", role=CellRole.TRAIN, is_core=True,
                      kv_capacity_tokens=0)
-    assert st.register_cell(cell_id="c1", address="a:2", host="h", role=Role.ROLLOUT, is_core=False,
+    assert st.register_cell(cell_id="c1", address="a:2", host="h", role=CellRole.ROLLOUT, is_core=False,
                             kv_capacity_tokens=1000)
     with pytest.raises(InvalidArgument):
-        st.register_cell(cell_id="c2", address="a:3", host="h", role=Role.ROLLOUT, is_core=True,
+        st.register_cell(cell_id="c2", address="a:3", host="h", role=CellRole.ROLLOUT, is_core=True,
                          kv_capacity_tokens=1)
     assert st.cell_heartbeat("c1", inflight=3, kv_used_tokens=500, kv_capacity_tokens=1000, weight_version=0,
-                             reported_role=Role.ROLLOUT) == (Role.ROLLOUT, None)
+                             reported_role=CellRole.ROLLOUT) == (CellRole.ROLLOUT, None)
     with pytest.raises(FailedPrecondition, match="core cell"):
-        st.begin_switch(cell_id="core", from_role=Role.TRAIN, to_role=Role.ROLLOUT, job_id="j1")
+        st.begin_switch(cell_id="core", from_role=CellRole.TRAIN, to_role=CellRole.ROLLOUT, job_id="j1")
     with pytest.raises(FailedPrecondition, match="not train"):
-        st.begin_switch(cell_id="c1", from_role=Role.TRAIN, to_role=Role.ROLLOUT, job_id="j1")
-    sid = st.begin_switch(cell_id="c1", from_role=Role.ROLLOUT, to_role=Role.TRAIN, job_id="j1",
+        st.begin_switch(cell_id="c1", from_role=CellRole.TRAIN, to_role=CellRole.ROLLOUT, job_id="j1")
+    sid = st.begin_switch(cell_id="c1", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1",
                           reason="consolidate", migrate_to=("c9",))
     cell = st.get_cell("c1")
-    assert cell.role is Role.SWITCHING and cell.switch_to is Role.TRAIN and cell.switch_id == sid
+    assert cell.role is CellRole.SWITCHING and cell.switch_to is CellRole.TRAIN and cell.switch_id == sid
     assert [c.cell_id for c in st.pending_switches()] == ["c1"]
     with pytest.raises(FailedPrecondition):
         st.deregister_cell("c1")
     # a cell re-registering mid-switch keeps the switch (recovery settles it)
-    st.register_cell(cell_id="c1", address="a:2", host="h", role=Role.ROLLOUT, is_core=False,
+    st.register_cell(cell_id="c1", address="a:2", host="h", role=CellRole.ROLLOUT, is_core=False,
                      kv_capacity_tokens=1000)
-    assert st.get_cell("c1").role is Role.SWITCHING
+    assert st.get_cell("c1").role is CellRole.SWITCHING
     clock.t += 8.5
     assert st.end_switch(cell_id="c1", switch_id=sid, job_id="j1", done=True) == pytest.approx(8.5)
     assert st.end_switch(cell_id="c1", switch_id=sid, job_id="j1", done=True) == 0.0  # repeat
-    assert st.get_cell("c1").role is Role.TRAIN and st.pending_switches() == []
-    sid2 = st.begin_switch(cell_id="c1", from_role=Role.TRAIN, to_role=Role.ROLLOUT, job_id="j1")
+    assert st.get_cell("c1").role is CellRole.TRAIN and st.pending_switches() == []
+    sid2 = st.begin_switch(cell_id="c1", from_role=CellRole.TRAIN, to_role=CellRole.ROLLOUT, job_id="j1")
     st.end_switch(cell_id="c1", switch_id=sid2, job_id="j1", done=False, error="trainer unreachable")
-    assert st.get_cell("c1").role is Role.TRAIN
+    assert st.get_cell("c1").role is CellRole.TRAIN
     log = st.switch_log()
     assert [e.kind for e in log] == ["switch_finished", "switch_rolled_back"]
     assert log[0].attrs["duration_ms"] == "8500" and log[1].attrs["error"] == "trainer unreachable"
-    assert st.deregister_cell("c1") is Role.TRAIN
+    assert st.deregister_cell("c1") is CellRole.TRAIN
     assert [c.cell_id for c in st.list_cells()] == ["core"]
 
 

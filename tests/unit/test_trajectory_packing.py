@@ -11,7 +11,8 @@ from services.common.errors import InvalidArgument
 from services.trajectory import wire
 from services.algorithm import group_advantages, outcome_advantages
 from services.trajectory.packing import PackedBatch, assemble, pack_chunks, split_tree
-from services.trajectory.records import Outcome, Role, Status, TitoCall
+from services.trajectory.records import Outcome, Status, TitoCall
+from services.common.roles import AgentRole
 from services.trajectory.tree import ExecutionTree, TreeArrays
 from tests.unit.trajectory_reference import NaiveTree, random_execution
 
@@ -76,9 +77,9 @@ def test_split_and_pack_keep_every_target_once_with_its_context(seed: int, n_cal
 
 def test_small_trees_share_a_batch_and_big_ones_split_with_context() -> None:
     sys_prompt = list(range(1, 9))
-    small = tree_of([TitoCall("s", "c", "a", Role.MAIN, np.array([50]), np.array([-1.0]), 0,
+    small = tree_of([TitoCall("s", "c", "a", AgentRole.MAIN, np.array([50]), np.array([-1.0]), 0,
                               prompt_ids=np.array([1]))]).arrays()
-    big_calls = [TitoCall("b", f"c{i}", "a", Role.MAIN, np.array([60 + i] * 6), -np.ones(6), 0,
+    big_calls = [TitoCall("b", f"c{i}", "a", AgentRole.MAIN, np.array([60 + i] * 6), -np.ones(6), 0,
                           prompt_ids=np.array(sys_prompt + [100 + i])) for i in range(4)]
     big = tree_of(big_calls).arrays()
     assert len(big) == 8 + 4 * 7
@@ -98,7 +99,7 @@ def pieces(b: PackedBatch) -> list[int]:
 
 
 def test_a_path_deeper_than_the_budget_becomes_pieces_within_the_budget() -> None:
-    calls = [TitoCall("d", "c", "a", Role.MAIN, np.arange(30, 60), -np.ones(30), 0, prompt_ids=np.arange(1, 21))]
+    calls = [TitoCall("d", "c", "a", AgentRole.MAIN, np.arange(30, 60), -np.ones(30), 0, prompt_ids=np.arange(1, 21))]
     tree = tree_of(calls).arrays()
     chunks = split_tree("d", tree, 16)
     assert [c.size for c in chunks] == [50]  # the deepest token needs all 49 before it

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.trajectory.records import DeltaEncoder, PromptDelta, Role, TitoCall
+from services.trajectory.records import DeltaEncoder, PromptDelta, TitoCall
+
+from services.common.roles import AgentRole
 from services.trajectory.tree import ConflictingRecord, ExecutionTree, UnknownBaseCall
 from tests.unit.trajectory_reference import NaiveTree, full_sequences, random_execution
 
@@ -15,7 +17,7 @@ from tests.unit.trajectory_reference import NaiveTree, full_sequences, random_ex
 def call(cid: str, prompt: list[int], out: list[int], role: str = "main", agent: str | None = None,
          version: int = 0, lp: float | None = None) -> TitoCall:
     logprobs = [lp if lp is not None else -0.1 * (i + 1) for i in range(len(out))]
-    return TitoCall("E", cid, agent or role, Role.parse(role), np.array(out), np.array(logprobs), version,
+    return TitoCall("E", cid, agent or role, AgentRole.parse(role), np.array(out), np.array(logprobs), version,
                     prompt_ids=np.array(prompt))
 
 
@@ -148,11 +150,11 @@ def test_resend_is_idempotent_and_conflicts_are_rejected() -> None:
 def test_bad_deltas_are_rejected_clearly() -> None:
     tree = ExecutionTree("E")
     tree.add(call("c1", SYS, [5]))
-    bad = TitoCall("E", "c2", "main", Role.MAIN, np.array([1]), np.array([-0.1]), 0,
+    bad = TitoCall("E", "c2", "main", AgentRole.MAIN, np.array([1]), np.array([-0.1]), 0,
                    delta=PromptDelta("nope", 2, np.array([3])))
     with pytest.raises(UnknownBaseCall, match="has not recorded"):
         tree.add(bad)
-    too_long = TitoCall("E", "c2", "main", Role.MAIN, np.array([1]), np.array([-0.1]), 0,
+    too_long = TitoCall("E", "c2", "main", AgentRole.MAIN, np.array([1]), np.array([-0.1]), 0,
                         delta=PromptDelta("c1", 6, np.array([3])))
     with pytest.raises(ValueError, match="exceeds the 5 tokens"):
         tree.add(too_long)
@@ -226,7 +228,7 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 def test_a_bounded_delta_encoder_drops_least_recent_executions_and_stays_exact() -> None:
     def call(eid: str, cid: str, prompt: list[int], out: list[int]) -> TitoCall:
-        return TitoCall(execution_id=eid, call_id=cid, agent_id="main", role=Role.MAIN,
+        return TitoCall(execution_id=eid, call_id=cid, agent_id="main", role=AgentRole.MAIN,
                         prompt_ids=np.array(prompt, dtype=np.int32), output_ids=np.array(out, dtype=np.int32),
                         output_logprobs=np.zeros(len(out), dtype=np.float32), weight_version=0)
 
@@ -254,7 +256,7 @@ def test_grammar_forced_tokens_are_context_and_free_choices_train_on_the_unmaske
     from services.trajectory.records import call_to_json, parse_call
 
     forced = np.array([True, False, False, True, True])
-    c1 = TitoCall("E", "c1", "main", Role.MAIN, np.array([11, 12, 13, 14, 15]), -np.array([0.0, 0.5, 0.2, 0.0, 0.0]), 0,
+    c1 = TitoCall("E", "c1", "main", AgentRole.MAIN, np.array([11, 12, 13, 14, 15]), -np.array([0.0, 0.5, 0.2, 0.0, 0.0]), 0,
                   prompt_ids=np.array(SYS), output_forced=forced,
                   output_policy_logprobs=-np.array([2.0, 0.9, 0.4, 3.0, 1.0]))
     arrays = build([c1]).arrays()
@@ -270,8 +272,8 @@ def test_grammar_forced_tokens_are_context_and_free_choices_train_on_the_unmaske
         assert again.output_forced.tolist() == forced.tolist()
         np.testing.assert_allclose(again.output_policy_logprobs, c1.output_policy_logprobs)
     with pytest.raises(ValueError, match="come together"):
-        TitoCall("E", "c", "main", Role.MAIN, np.array([1]), np.array([-0.1]), 0, prompt_ids=np.array([1]),
+        TitoCall("E", "c", "main", AgentRole.MAIN, np.array([1]), np.array([-0.1]), 0, prompt_ids=np.array([1]),
                  output_forced=np.array([True]))
     with pytest.raises(ValueError, match="one value per output token"):
-        TitoCall("E", "c", "main", Role.MAIN, np.array([1]), np.array([-0.1]), 0, prompt_ids=np.array([1]),
+        TitoCall("E", "c", "main", AgentRole.MAIN, np.array([1]), np.array([-0.1]), 0, prompt_ids=np.array([1]),
                  output_forced=np.array([True, False]), output_policy_logprobs=np.array([-0.1]))

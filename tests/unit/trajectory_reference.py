@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.trajectory.records import Role, TitoCall
+from services.trajectory.records import TitoCall
+
+from services.common.roles import AgentRole
 
 
 def full_sequences(calls: list[TitoCall]) -> dict[str, np.ndarray]:
@@ -80,7 +82,7 @@ def random_execution(rng: np.random.Generator, n_calls: int, vocab: int, *, exec
     calls: list[TitoCall] = []
     fulls: list[np.ndarray] = []
     prompts: list[np.ndarray] = []
-    roles = [Role.MAIN, Role.SUBAGENT, Role.SUMMARY]
+    roles = [AgentRole.MAIN, AgentRole.SUBAGENT, AgentRole.SUMMARY]
     for i in range(n_calls):
         kind = int(rng.integers(5))
         new = rng.integers(0, vocab, int(rng.integers(0, max_new)))

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.scheduler.sim.cost_model import CostModel
+from services.common.roles import CellRole
 from services.scheduler.policy import (
-    Action, CellView, ClusterView, Mode, PolicyParams, Role, check_actions, choose_cell, decide,
+    Action, CellView, ClusterView, Mode, PolicyParams, check_actions, choose_cell, decide,
     effective_staleness_bound,
 )
 from services.task.traces import TraceExecution
@@ -93,8 +94,8 @@ class _Cell:
 
     def __init__(self, idx: int, is_core: bool) -> None:
         self.idx, self.cell_id, self.is_core = idx, f"cell-{idx:03d}", is_core
-        self.role = Role.TRAIN if is_core else Role.IDLE
-        self.switching_to: Role | None = None
+        self.role = CellRole.TRAIN if is_core else CellRole.IDLE
+        self.switching_to: CellRole | None = None
         self.switch_end = self.switch_start = 0.0
         self.hosted: set[int] = set()
         self.active: list[tuple[float, int]] = []  # (virtual finish, exec idx); lazily pruned
@@ -153,7 +154,7 @@ class Simulator:
         self.step_done_s: list[float] = []
         self.calls_done = 0  # model calls completed; each exactly once (nothing recomputed or lost)
         # (time, cell_id, from role, to role, executions migrated away) for every switch started.
-        self.switch_log: list[tuple[float, str, Role, Role, int]] = []
+        self.switch_log: list[tuple[float, str, CellRole, CellRole, int]] = []
 
     # -- event plumbing -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -223,7 +224,7 @@ class Simulator:
     def _on_cell(self, c: _Cell) -> None:
         self._advance_cell(c)
         # One call at a time: ending a call may finish an execution, which may move work around.
-        while c.role is Role.ROLLOUT and c.active:
+        while c.role is CellRole.ROLLOUT and c.active:
             vf, idx = c.active[0]
             e = self.execs[idx]
             if e.phase != MODEL or e.cell != c.idx or e.vfinish != vf:
@@ -311,7 +312,7 @@ class Simulator:
             if not q:
                 self.first_open += 1
                 continue
-            cands = [(c, len(c.hosted)) for c in self.cells if c.role is Role.ROLLOUT and len(c.hosted) < self.slots]
+            cands = [(c, len(c.hosted)) for c in self.cells if c.role is CellRole.ROLLOUT and len(c.hosted) < self.slots]
             cell = choose_cell(cands, mode)
             if cell is None:
                 return
@@ -323,7 +324,7 @@ class Simulator:
 
     # -- training -------------------------------------------------------------------------------
     def _train_cells(self) -> int:
-        return sum(1 for c in self.cells if c.role is Role.TRAIN)
+        return sum(1 for c in self.cells if c.role is CellRole.TRAIN)
 
     def _advance_training(self) -> None:
         if not self.publishing and self.version < self.n_steps:
@@ -357,7 +358,7 @@ class Simulator:
             self.done = True
             return
         for c in self.cells:  # engines load the new weights; their calls pause meanwhile
-            if c.role is Role.ROLLOUT and self.cost.weight_sync_s > 0:
+            if c.role is CellRole.ROLLOUT and self.cost.weight_sync_s > 0:
                 self._advance_cell(c)
                 c.pause_until = self.now + self.cost.weight_sync_s
                 self._push(c.pause_until, EV_WAKE, c.idx)
@@ -398,17 +399,17 @@ class Simulator:
             c = by_id[a.cell_id]
             transfer = 0.0
             hosted_before = len(c.hosted)
-            if c.role is Role.ROLLOUT and c.hosted:
+            if c.role is CellRole.ROLLOUT and c.hosted:
                 transfer = self._migrate(c, [by_id[t] for t in a.migrate_to])
-            if c.role is Role.IDLE:
-                cost = self.cost.idle_to_rollout_s if a.to_role is Role.ROLLOUT else self.cost.idle_to_train_s
+            if c.role is CellRole.IDLE:
+                cost = self.cost.idle_to_rollout_s if a.to_role is CellRole.ROLLOUT else self.cost.idle_to_train_s
                 c.from_idle = True
             else:
-                cost = self.cost.rollout_to_train_s if a.to_role is Role.TRAIN else self.cost.train_to_rollout_s
+                cost = self.cost.rollout_to_train_s if a.to_role is CellRole.TRAIN else self.cost.train_to_rollout_s
                 c.from_idle = False
             self._advance_cell(c)
             self.switch_log.append((self.now, c.cell_id, c.role, a.to_role, hosted_before))
-            c.role, c.switching_to = Role.SWITCHING, a.to_role
+            c.role, c.switching_to = CellRole.SWITCHING, a.to_role
             c.switch_start, c.switch_end = self.now, self.now + transfer + cost
             c.active.clear()
             c.n_active = 0
@@ -467,17 +468,17 @@ class Simulator:
         self.acc_t = self.now
         training = self.publishing or (self.version < self.n_steps and self.avail[self.version] - self.trained > TOKEN_EPS)
         for c in self.cells:
-            if c.role is Role.ROLLOUT:
+            if c.role is CellRole.ROLLOUT:
                 n = len(c.hosted)
                 self.busy_cs += dt * n / self.slots
                 if n == 0:
                     self.idle_cs += dt
-            elif c.role is Role.TRAIN:
+            elif c.role is CellRole.TRAIN:
                 if training and (not self.publishing or c.is_core):
                     self.busy_cs += dt
                 else:
                     self.idle_cs += dt
-            elif c.role is Role.SWITCHING:
+            elif c.role is CellRole.SWITCHING:
                 self.switching_cs += dt
             else:
                 self.idle_cs += dt
