@@ -252,6 +252,7 @@ class Harness:
         beat.start()
         status, reason, task_id = "failed", "", ""
         files: dict[str, bytes] = {}
+        started = time.monotonic()
         try:
             task_id = str(json.loads(lease.payload)["task_id"])
 
@@ -269,7 +270,8 @@ class Harness:
             host: RunnerHost = self  # what a runner may use of the harness (checked by mypy)
             outcome = registry.load(family.runner)(host, lease, task_id, preserve=preserve, cancelled=cancelled)
             status, reason, files = outcome.status, outcome.error, outcome.files
-            blog.info("execution ended", status=status, family=family.name, **outcome.log)
+            blog.info("execution ended", status=status, family=family.name,
+                      wall_s=round(time.monotonic() - started, 3), **outcome.log)
         except (ValueError, KeyError, TypeError) as exc:
             reason = f"bad task payload: {exc}"
             blog.warning("bad task payload", error=str(exc))

@@ -28,7 +28,8 @@ __all__ = ["TaskParams", "ModuleSpec", "TaskSpec", "generate_task", "task_from_i
 
 SPLITS = ("train", "heldout")
 FAMILIES = ("xlong-v1", "xlong-tools-v1")  # the word-level agent's and the tool agent's: the same tasks
-_ID_RE = re.compile(r"^(xlong-v1|xlong-tools-v1)/(train|heldout)/(\d{1,12})/m(\d+)\.s(\d+)-(\d+)\.c(\d+)\.t(\d+)\.h(\d+)$")
+_ID_RE = re.compile(r"^(xlong-v1|xlong-tools-v1)/(train|heldout)/(\d{1,12})/m(\d+)\.s(\d+)-(\d+)\.c(\d+)\.t(\d+)\.h(\d+)"
+                    r"(?:\.l(\d+)x(\d+))?$")
 _MAX_ABS_OUTPUT = 999  # keeps test values a few digit tokens long
 _INPUTS = tuple(range(0, 10))
 # Step words and their postfix lines: the value so far is on the stack, the constant goes on top.
@@ -56,6 +57,12 @@ class TaskParams:
     """Tests per module the agent sees and the harness runs."""
     hidden_tests: int = 2
     """Extra tests per module that only the reward scorer runs."""
+    long_pct: int = 0
+    """Percent of tasks that are long (``long_modules`` modules instead of ``num_modules``): the heavy
+    tail of real agent executions, the ones a job's deadline cuts (scored partially). Which tasks
+    are long depends on the seed and split only."""
+    long_modules: int = 0
+    """Modules of a long task (more than ``num_modules``); 0 when ``long_pct`` is 0."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_modules <= 64:
@@ -64,6 +71,13 @@ class TaskParams:
             raise ValueError(f"need 1 <= min_ops <= max_ops <= 8, got {self.min_ops}..{self.max_ops}.")
         if not 0 <= self.call_pct <= 100:
             raise ValueError(f"call_pct must be a percentage, got {self.call_pct}.")
+        if not 0 <= self.long_pct <= 100:
+            raise ValueError(f"long_pct must be a percentage, got {self.long_pct}.")
+        if self.long_pct and not self.num_modules < self.long_modules <= 64:
+            raise ValueError(f"long tasks need num_modules < long_modules <= 64, got {self.num_modules} and "
+                             f"{self.long_modules}.")
+        if not self.long_pct and self.long_modules:
+            raise ValueError("long_modules needs long_pct > 0.")
         if self.visible_tests < 1 or self.hidden_tests < 0 or self.visible_tests + self.hidden_tests > len(_INPUTS):
             raise ValueError(
                 f"need visible_tests >= 1, hidden_tests >= 0 and at most {len(_INPUTS)} tests in all, "
@@ -76,7 +90,14 @@ class TaskParams:
         return (
             f"m{self.num_modules}.s{self.min_ops}-{self.max_ops}.c{self.call_pct}"
             f".t{self.visible_tests}.h{self.hidden_tests}"
+            + (f".l{self.long_pct}x{self.long_modules}" if self.long_pct else "")
         )
+
+    def modules_of(self, seed: int, split: str) -> int:
+        """How many modules the task with this seed has (``long_modules`` for the long ones)."""
+        if self.long_pct and random.Random(f"xlong-v1/long/{split}/{seed}").randrange(100) < self.long_pct:
+            return self.long_modules
+        return self.num_modules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +210,7 @@ def generate_task(seed: int, params: TaskParams = TaskParams(), *, split: str = 
         raise ValueError(f"seed must be in [0, 1e12), got {seed}.")
     rng = random.Random(f"xlong-v1/{split}/{seed}/{params.code}")
     modules: list[ModuleSpec] = []
-    for i in range(params.num_modules):
+    for i in range(params.modules_of(seed, split)):
         modules.append(_gen_module(rng, i, modules, params))
     task_id = f"{family}/{split}/{seed}/{params.code}"
     return TaskSpec(task_id=task_id, split=split, seed=seed, params=params, modules=tuple(modules))
@@ -200,7 +221,7 @@ def task_from_id(task_id: str) -> TaskSpec:
     m = _ID_RE.match(task_id)
     if m is None:
         raise ValueError(f"not a built-in XLong task id: {task_id[:80]!r}")
-    family, split, seed, nm, lo, hi, call, vis, hid = m.groups()
+    family, split, seed, nm, lo, hi, call, vis, hid, long_pct, long_modules = m.groups()
     params = TaskParams(
         num_modules=int(nm),
         min_ops=int(lo),
@@ -208,6 +229,8 @@ def task_from_id(task_id: str) -> TaskSpec:
         call_pct=int(call),
         visible_tests=int(vis),
         hidden_tests=int(hid),
+        long_pct=int(long_pct or 0),
+        long_modules=int(long_modules or 0),
     )
     return generate_task(int(seed), params, split=split, family=family)
 
@@ -218,7 +241,7 @@ def task_ids(n: int, *, split: str = "train", params: TaskParams = TaskParams(),
     return [f"{family}/{split}/{seed}/{params.code}" for seed in range(start_seed, start_seed + n)]
 
 
-_KNOBS = ("num_modules", "min_ops", "max_ops", "call_pct", "visible_tests", "hidden_tests")
+_KNOBS = ("num_modules", "min_ops", "max_ops", "call_pct", "visible_tests", "hidden_tests", "long_pct", "long_modules")
 
 
 def _knobs(params: Mapping[str, str]) -> TaskParams:

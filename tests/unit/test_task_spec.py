@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from services.task.scoring import score_workspace
-from services.task.spec import TaskParams, step_code, task_from_id, task_ids
+from services.task.spec import TaskParams, step_code, task_from_id, task_generator, task_ids
 
 
 def test_tasks_are_pure_functions_of_their_id() -> None:
@@ -85,3 +87,33 @@ def test_reward_discounts_modules_by_recorded_attempts() -> None:
     assert score_workspace(task, took, discount=1.0).reward == 1.0
     for junk in (b"[1]", b"{", b'{"m1": -4, "m2": "x"}', b'{"m1": true}'):
         assert score_workspace(task, {**ref, "harness/attempts.json": junk}).reward == 1.0
+
+
+def test_a_heavy_tail_of_long_tasks() -> None:
+    params = TaskParams(num_modules=10, long_pct=15, long_modules=30)
+    ids = task_ids(400, params=params)
+    assert ids[0] == "xlong-v1/train/0/m10.s1-3.c30.t2.h2.l15x30"
+    tasks = [task_from_id(t) for t in ids]
+    sizes = Counter(len(t.modules) for t in tasks)
+    assert set(sizes) == {10, 30} and 0.10 <= sizes[30] / len(tasks) <= 0.20
+    assert [t.task_id for t in tasks] == ids  # the id rebuilds the same task, long or not
+    again = [len(task_from_id(t).modules) for t in ids[:50]]
+    assert again == [len(t.modules) for t in tasks[:50]]
+    # which seeds are long depends on the seed and split only, not on the other knobs
+    other = TaskParams(num_modules=12, max_ops=4, long_pct=15, long_modules=40)
+    assert [params.modules_of(s, "train") == 30 for s in range(400)] == \
+        [other.modules_of(s, "train") == 40 for s in range(400)]
+    # without the knob, ids and tasks are what they always were
+    assert task_ids(1)[0] == "xlong-v1/train/0/m4.s1-3.c30.t2.h2"
+    assert len(task_from_id("xlong-v1/heldout/7/m4.s1-3.c30.t2.h2").modules) == 4
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"long_pct": "101", "long_modules": "30"}, "long_pct must be a percentage"),
+    ({"long_pct": "10", "long_modules": "4"}, "num_modules < long_modules"),
+    ({"long_pct": "10"}, "num_modules < long_modules"),
+    ({"long_modules": "30"}, "long_modules needs long_pct"),
+])
+def test_bad_long_task_knobs_are_refused(knobs: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        task_generator(knobs, 0, 1)
