@@ -62,7 +62,7 @@ class TaskParams:
     tail of real agent executions, the ones a job's deadline cuts (scored partially). Which tasks
     are long depends on the seed and split only."""
     long_modules: int = 0
-    """Modules of a long task (more than ``num_modules``); 0 when ``long_pct`` is 0."""
+    """Modules of a long task (more than ``num_modules``); ignored (0) when ``long_pct`` is 0."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_modules <= 64:
@@ -76,8 +76,8 @@ class TaskParams:
         if self.long_pct and not self.num_modules < self.long_modules <= 64:
             raise ValueError(f"long tasks need num_modules < long_modules <= 64, got {self.num_modules} and "
                              f"{self.long_modules}.")
-        if not self.long_pct and self.long_modules:
-            raise ValueError("long_modules needs long_pct > 0.")
+        if not self.long_pct:
+            object.__setattr__(self, "long_modules", 0)  # no long tasks: the knob means nothing
         if self.visible_tests < 1 or self.hidden_tests < 0 or self.visible_tests + self.hidden_tests > len(_INPUTS):
             raise ValueError(
                 f"need visible_tests >= 1, hidden_tests >= 0 and at most {len(_INPUTS)} tests in all, "

@@ -33,7 +33,7 @@ from tests.support.waiting import wait_until
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 JOB = ["--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "120",
-       "--tasks.params.num_modules", "3", "--evaluation.tasks", "0"]
+       "--tasks.params.num_modules", "3", "--tasks.params.long_pct", "0", "--evaluation.tasks", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.jobs import SMALL_TASKS
 from tests.support.longcalls import LongCalls
 from tests.support.systemd import parse_unit
 
@@ -419,7 +420,7 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     job_file = str(REPO / "deploy" / "config" / "job.toml")
     sub = subprocess.run([*cli, "submit", "--scheduler", addr["scheduler"], job_file, "--mode", "elastic",
                           "--num_steps", str(STEPS), "--groups_per_step", "4", "--group_size", "2",
-                          "--evaluation.tasks", "0", "--execution_timeout_s", "300"],
+                          "--evaluation.tasks", "0", *SMALL_TASKS, "--execution_timeout_s", "300"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, env=operator)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = sub.stdout.strip().splitlines()[-1]

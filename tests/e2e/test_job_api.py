@@ -24,7 +24,7 @@ from tests.support.waiting import wait_until
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 SMALL = ["--num_steps", "2", "--groups_per_step", "2", "--group_size", "2", "--execution_timeout_s", "60",
-         "--tasks.params.num_modules", "2", "--evaluation.tasks", "2", "--evaluation.every", "1"]
+         "--tasks.params.num_modules", "2", "--tasks.params.long_pct", "0", "--evaluation.tasks", "2", "--evaluation.every", "1"]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 from services.run import TASK_FILES, RunConfig, run_job
 from services.scheduler.jobfile import load_job
 from tests.support.cordoner import Cordoner
+from tests.support.jobs import SMALL_TASKS
 from tests.support.longcalls import LongCalls
 
 
@@ -28,7 +29,7 @@ from tests.support.longcalls import LongCalls
 def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     cfg = RunConfig(engines=2, harness_concurrency=8, time_budget_s=600, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
-    spec = load_job(TASK_FILES["xlong"][0], ["--mode", "elastic", "--num_steps", "2", "--groups_per_step", "4",
+    spec = load_job(TASK_FILES["xlong"][0], [*SMALL_TASKS, "--mode", "elastic", "--num_steps", "2", "--groups_per_step", "4",
                                              "--group_size", "2", "--evaluation.tasks", "4", "--evaluation.every", "1"])
     lines: list[str] = []
     long_calls = LongCalls()
@@ -117,7 +118,8 @@ def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path, monkeypatch
     monkeypatch.setenv("GYRE_CELL_AGENT_HEARTBEAT_INTERVAL_S", "6")
     cfg = RunConfig(engines=2, harness_concurrency=8, time_budget_s=500, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
-    spec = load_job(TASK_FILES["xlong"][0], ["--mode", "colocate", "--staleness_bound", "0", "--num_steps", "2",
+    spec = load_job(TASK_FILES["xlong"][0], [*SMALL_TASKS, "--mode", "colocate", "--staleness_bound", "0",
+                                             "--num_steps", "2",
                                              "--groups_per_step", "4", "--group_size", "4", "--evaluation.tasks", "2",
                                              "--evaluation.every", "1"])
     lines: list[str] = []

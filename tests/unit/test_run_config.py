@@ -17,7 +17,9 @@ def test_default_is_the_builtin_job_on_the_default_stack() -> None:
     run, spec, path = load_run([])
     assert path == DEFAULT_RUN_CONFIG and run.engines == 2
     assert spec.model == "builtin-tiny" and spec.tasks.generator == "xlong-v1" and spec.mode is Mode.ELASTIC
-    assert spec.evaluation.tasks == 32 and spec.evaluation.after_steps(spec.num_steps) == (0, 2, 4, 6, 8)
+    assert spec.evaluation.tasks == 128 and spec.evaluation.after_steps(spec.num_steps) == (0, 4, 8)
+    params = dict(spec.tasks.params)  # XLong-shaped: a heavy tail of long tasks the deadline cuts
+    assert params["num_modules"] == "8" and params["long_pct"] == "25" and spec.timeout_policy.value == "partial"
 
 
 def test_task_arith_reads_its_own_files_and_flags_still_win() -> None:

@@ -106,13 +106,15 @@ def test_a_heavy_tail_of_long_tasks() -> None:
     # without the knob, ids and tasks are what they always were
     assert task_ids(1)[0] == "xlong-v1/train/0/m4.s1-3.c30.t2.h2"
     assert len(task_from_id("xlong-v1/heldout/7/m4.s1-3.c30.t2.h2").modules) == 4
+    # a job that turns the tail off keeps its other knobs: long_modules alone means nothing
+    assert TaskParams(long_modules=30) == TaskParams()
+    assert task_generator({"long_pct": "0", "long_modules": "30"}, 0, 1) == task_generator({}, 0, 1)
 
 
 @pytest.mark.parametrize("knobs, message", [
     ({"long_pct": "101", "long_modules": "30"}, "long_pct must be a percentage"),
     ({"long_pct": "10", "long_modules": "4"}, "num_modules < long_modules"),
     ({"long_pct": "10"}, "num_modules < long_modules"),
-    ({"long_modules": "30"}, "long_modules needs long_pct"),
 ])
 def test_bad_long_task_knobs_are_refused(knobs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
