@@ -44,7 +44,7 @@ DEFAULT_RUN_CONFIG = REPO / "deploy" / "config" / "run.toml"
 # Files per task family when --job / --config are not given (the job, then the stack it runs on).
 TASK_FILES = {"xlong": (DEFAULT_JOB_FILE, DEFAULT_RUN_CONFIG),
               "arith": (REPO / "deploy" / "config" / "job-arith.toml", REPO / "deploy" / "config" / "run-arith.toml"),
-              "tools": (REPO / "deploy" / "config" / "job-tools.toml", DEFAULT_RUN_CONFIG)}
+              "tools": (REPO / "deploy" / "config" / "job-tools.toml", REPO / "deploy" / "config" / "run-tools.toml")}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
