@@ -50,6 +50,7 @@ import pytest
 from tests.support.jobs import SMALL_TASKS
 from tests.support.longcalls import LongCalls
 from tests.support.systemd import parse_unit
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "deploy" / "systemd"
@@ -193,28 +194,28 @@ class Hosts:
 def _wait_ready(address: str, hosts: Hosts, timeout_s: float = 240.0) -> None:
     from services.common.server import wait_for_ready
 
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def serving() -> bool:
         hosts.check_alive()
         try:
             wait_for_ready(address, timeout_s=2.0)
-            return
+            return True
         except TimeoutError:
-            assert time.monotonic() < deadline, f"{address} did not serve within {timeout_s}s"
+            return False
+
+    wait_until(serving, timeout_s, f"{address} to serve", poll_s=0)
 
 
 def _wait_redis(url: str, hosts: Hosts) -> None:
     import redis
 
-    deadline = time.monotonic() + 30
-    while True:
+    def answers() -> bool:
         hosts.check_alive()
         try:
-            redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-            return
+            return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
         except redis.exceptions.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not answer"
-            time.sleep(0.1)
+            return False
+
+    wait_until(answers, 30, "redis-server to answer", poll_s=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -399,11 +400,11 @@ def _every_port_is_tls_only(addr: dict[str, str], cells: dict) -> None:
 @pytest.mark.timeout(1200)
 def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> None:
     procs, addr = hosts
-    deadline = time.monotonic() + 120
-    while len([c for c in _cells(addr["scheduler"]) if c.cell_id in ("cell-0", "cell-1", "cell-2")]) < 3:
+    def registered() -> bool:
         procs.check_alive()
-        assert time.monotonic() < deadline, "the three cells did not register"
-        time.sleep(0.2)
+        return len([c for c in _cells(addr["scheduler"]) if c.cell_id in ("cell-0", "cell-1", "cell-2")]) == 3
+
+    wait_until(registered, 120, "the three cells to register", poll_s=0.2)
     cells = {c.cell_id: c for c in _cells(addr["scheduler"])}
     loopback = [(c.cell_id, c.address, c.engine_address) for c in cells.values()
                 if c.address.startswith("127.") or c.address.startswith("0.0.0.0")
