@@ -101,7 +101,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
         else:
             from services.progress import Progress
 
-            with Progress(scheduler, view, quiet=args.quiet) as progress:
+            import tempfile
+
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.job)
+            log_path = Path(tempfile.gettempdir()) / f"gyre-watch-{safe}.log"
+            with Progress(scheduler, view, quiet=args.quiet, log_path=log_path) as progress:
                 for _ev in follow(scheduler, view):
                     progress.update()
                 progress.update(force=True)

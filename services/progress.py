@@ -1,10 +1,15 @@
 """Live progress of one job (``gyre run``, ``gyre watch``): a rich table on a terminal, else a
-plain line every 10 s. Fed by a ``JobView`` (events) plus ``GetJob`` (queue counts)."""
+plain line every 10 s. Fed by a ``JobView`` (events) plus ``GetJob`` (queue counts).
+
+While the table is live it owns the terminal: this process's log lines go to ``log_path`` instead
+of stderr (``services.common.logging.logs_to_file``) and the table counts them."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from services.jobwatch import JobView, usage_line
@@ -17,7 +22,8 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 class Progress:
     def __init__(self, scheduler: Any, view: JobView, *, quiet: bool = False,
-                 echo: Callable[[str], None] = print, line_every_s: float = 10.0) -> None:
+                 echo: Callable[[str], None] = print, line_every_s: float = 10.0,
+                 log_path: str | Path | None = None) -> None:
         from rich.console import Console
 
         self.scheduler, self.view, self.echo = scheduler, view, echo
@@ -28,11 +34,18 @@ class Progress:
         self._last_line = 0.0
         self._last_poll = 0.0
         self._job: Any = None
+        self.log_path = Path(log_path) if log_path else None
+        self._logs: Any = None  # the sink counting the lines diverted to log_path
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Progress:
         if not self.quiet and self.console.is_terminal:
             from rich.live import Live
 
+            from services.common.logging import logs_to_file
+
+            if self.log_path is not None:
+                self._logs = self._stack.enter_context(logs_to_file(self.log_path))
             self.live = Live(self._table(), console=self.console, refresh_per_second=2)
             self.live.start()
         return self
@@ -40,6 +53,9 @@ class Progress:
     def __exit__(self, *_exc: Any) -> None:
         if self.live is not None:
             self.live.stop()
+        self._stack.close()
+        if self._logs is not None and self._logs.lines:
+            self.echo(f"{self._logs.lines} log line(s) of this command are in {self.log_path}")
 
     def update(self, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -96,4 +112,6 @@ class Progress:
             t.add_row("held-out", "  ".join(f"{e['step']}: {e['heldout_pass_rate']:.2f}" for e in v.evals))
         if v.errors:
             t.add_row("warnings", f"{len(v.errors)} (last: {v.errors[-1][:90]})")
+        if self._logs is not None and self._logs.lines:
+            t.add_row("log lines", f"{self._logs.lines} (warnings and errors of this command, in {self.log_path})")
         return t

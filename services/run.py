@@ -139,7 +139,8 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
         job = scheduler.submit_job(spec)
         echo(f"job: {job.job_id}")
         view = JobView(job.job_id)
-        state = _watch(run, scheduler, view, t0, echo, failed=supervisor.failed)
+        state = _watch(run, scheduler, view, t0, echo, failed=supervisor.failed,
+                       log_path=launcher.data_dir / "logs" / "gyre-run.log")
         migrations = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_migrations_total", "transport")
         prompt = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_job_prompt_tokens_total", "kind",
                          where={"job_id": job.job_id})
@@ -178,8 +179,9 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
 
 
 def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Callable[[str], None],
-           failed: Callable[[], dict[str, dict[str, str]]] | None = None) -> str:
-    """Live progress until the job ends or the budget runs out; returns the job's final state.
+           failed: Callable[[], dict[str, dict[str, str]]] | None = None, log_path: Path | None = None) -> str:
+    """Live progress until the job ends or the budget runs out; returns the job's final state
+    (this command's own log lines go to ``log_path`` while the live table shows).
     ``failed()`` -> processes whose restart budget is spent: the run stops with that news."""
     from services.progress import Progress
 
@@ -191,7 +193,7 @@ def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Calla
         dead = failed() if failed is not None else {}
         return bool(dead) or time.time() > deadline
 
-    with Progress(scheduler, view, quiet=run.quiet, echo=echo) as progress:
+    with Progress(scheduler, view, quiet=run.quiet, echo=echo, log_path=log_path) as progress:
         for _ev in follow(scheduler, view, stop=stop, poll_s=1.0):
             progress.update()
         progress.update(force=True)

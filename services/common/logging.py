@@ -10,10 +10,51 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
 
 import structlog
+
+
+class _Sink:
+    """Where this process's log lines go: the current ``sys.stderr``, or a file while a live
+    progress display owns the terminal (`logs_to_file`), counting the lines sent there."""
+
+    def __init__(self) -> None:
+        self.file: IO[str] | None = None
+        self.lines = 0
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if self.file is None:
+                return sys.stderr.write(text)
+            self.lines += text.count("\n")
+            return self.file.write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            (self.file or sys.stderr).flush()
+
+
+_SINK = _Sink()
+
+
+@contextmanager
+def logs_to_file(path: str | Path) -> Iterator[_Sink]:
+    """Inside the block this process's log lines are appended to ``path`` instead of stderr (a live
+    display keeps the terminal); yields the sink, whose ``lines`` counts them."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        with _SINK._lock:
+            previous, _SINK.file, _SINK.lines = _SINK.file, f, 0
+        try:
+            yield _SINK
+        finally:
+            with _SINK._lock:
+                _SINK.file = previous
 
 
 def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") -> None:
@@ -40,12 +81,12 @@ def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") 
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_SINK),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     # stdlib records (grpc's Python side, transformers, torch, warnings) render through the same
     # processors: one JSON line each too, with level, logger name, timestamp and service
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_SINK)  # type: ignore[arg-type]
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[_record_name, *processors],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
