@@ -24,3 +24,39 @@ def test_time_to_target() -> None:
              {"step": 4, "time_s": 90.0, "heldout_pass_rate": 0.7}]
     assert time_to(_result([], evals), 0.6) == 50.0
     assert time_to(_result([], evals), 0.8) is None
+
+
+def _row(last: float, wall: float, by_step: dict[int, float], state: str = "completed") -> dict:
+    return {"heldout_last": last, "wall_s": wall, "heldout_by_step": by_step, "state": state}
+
+
+def test_spread() -> None:
+    from services.compare import spread
+
+    assert spread([0.5, 0.7, 0.6]) == {"mean": 0.6, "min": 0.5, "max": 0.7, "std": 0.0816}
+    assert spread([3.0]) == {"mean": 3.0, "min": 3.0, "max": 3.0, "std": 0.0}
+
+
+def test_across_seeds_compares_at_equal_steps_and_checks_elastic_against_colocate() -> None:
+    from services.compare import across_seeds
+
+    rows = {
+        0: {"colocate": _row(0.50, 100, {0: 0.1, 4: 0.3, 8: 0.50}), "elastic": _row(0.55, 90, {0: 0.1, 4: 0.35, 8: 0.55})},
+        1: {"colocate": _row(0.60, 110, {0: 0.1, 4: 0.40, 8: 0.60}), "elastic": _row(0.58, 95, {0: 0.1, 8: 0.58})},
+    }
+    agg = across_seeds(rows)
+    assert agg["seeds"] == [0, 1] and list(agg["modes"]) == ["colocate", "elastic"]
+    assert list(agg["modes"]["elastic"]["heldout_by_step"]) == [0, 8]  # step 4 was not evaluated in every run
+    assert list(agg["modes"]["colocate"]["heldout_by_step"]) == [0, 4, 8]
+    assert agg["modes"]["colocate"]["heldout_last"]["min"] == 0.5 and agg["modes"]["colocate"]["wall_s"]["mean"] == 105
+    assert agg["elastic_within_colocate_spread"] is True  # 0.565 in 0.50..0.60
+    rows[1]["elastic"] = _row(0.90, 95, {0: 0.1, 8: 0.90})
+    assert across_seeds(rows)["elastic_within_colocate_spread"] is False  # 0.725 is above colocate's 0.60
+
+
+def test_compare_refuses_a_bad_seed_count(capsys: object) -> None:
+    from services.compare import compare_main
+
+    assert compare_main(["--seeds", "many"]) == 2
+    assert compare_main(["--seeds", "0"]) == 2
+    assert compare_main(["--seeds"]) == 2
