@@ -28,17 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "default_job.md"
 
 
-def run(name: str, work: Path, extra: list[str]) -> dict[str, Any]:
-    out = work / name
+def run(name: str, work: Path, steps: int, extra: list[str]) -> dict[str, Any]:
+    out = work / name.replace(" ", "-").replace("=", "-")
+    # make run's budget (900 s) is sized for 8 steps; a longer run gets one sized for its steps
+    budget = max(900, 120 * steps)
     cmd = [sys.executable, "-m", "services.cli", "run", "--quiet", "--report-dir", str(out / "report"),
-           "--data-dir", str(out / "data"), *extra]
+           "--data-dir", str(out / "data"), "--time-budget-s", str(budget), "--num-steps", str(steps), *extra]
     print("running", " ".join(cmd[2:]), flush=True)
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t
-    if proc.returncode != 0:
-        raise SystemExit(f"{name}: gyre run exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:  # a run cut by its time budget (exit 1) still reports what it did
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise SystemExit(f"{name}: gyre run exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}") from None
     executions = {}
     for log in (out / "data").glob("*/logs/harness.log"):
         for line in log.read_text(errors="replace").splitlines():
@@ -49,7 +53,8 @@ def run(name: str, work: Path, extra: list[str]) -> dict[str, Any]:
             if o.get("event") == "execution ended" and "calls" in o and not o.get("evaluation"):
                 executions[o["execution_id"]] = o  # a re-leased execution: its last attempt
     metrics = [json.loads(x) for x in (out / "report" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {"name": name, "summary": summary, "wall_s": wall, "executions": list(executions.values()),
+    return {"name": name, "summary": summary, "state": summary.get("state", "?"), "steps_done": summary.get("steps"),
+            "wall_s": wall, "executions": list(executions.values()),
             "steps": [m for m in metrics if "naive_tokens" in m],
             "evals": [(m["step"], m["heldout_pass_rate"]) for m in metrics if "heldout_pass_rate" in m]}
 
@@ -98,13 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-steps", type=int, default=0, help="also the default job for this many steps (0: no)")
     ap.add_argument("--no-zero", action="store_true", help="skip the timeout_policy=zero run")
     args = ap.parse_args(argv)
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gyre-bench-default-") as tmp:
         work = Path(tmp)
-        runs = [run("default", work, ["--num-steps", str(args.steps)])]
+        plan = [("default", args.steps, [])]
         if not args.no_zero:
-            runs.append(run("timeout_policy=zero", work, ["--num-steps", str(args.steps), "--timeout-policy", "zero"]))
+            plan.append(("timeout_policy=zero", args.steps, ["--timeout-policy", "zero"]))
         if args.long_steps:
-            runs.append(run(f"{args.long_steps} steps", work, ["--num-steps", str(args.long_steps)]))
+            plan.append((f"{args.long_steps} steps", args.long_steps, []))
+        for name, steps, extra in plan:
+            runs.append(run(name, work, steps, extra))
+            write(runs, args)  # each run's figures are kept even if a later one fails
+    return 0
+
+
+def write(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     base = runs[0]
     lines = ["# `make run`'s default job: its shape and what it learns", "",
              f"`python -m bench.bench_default_job --steps {args.steps}"
@@ -113,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
              "lines and the report's metrics.", "",
              f"## Shape of the default job ({args.steps} steps, training executions only)", "", *shape_rows(base), "",
              "## Held-out pass rate (128 tasks, greedy; after step)", "",
-             "| run | held-out pass rate (after step) | first -> last | job wall s |", "|---|---|---:|---:|"]
+             "| run | end (steps done) | held-out pass rate (after step) | first -> last | job wall s |",
+             "|---|---|---|---:|---:|"]
     for r in runs:
-        first, last = r["evals"][0][1], r["evals"][-1][1]
-        lines.append(f"| {r['name']} | {curve(r)} | {100 * (last - first):+.1f} points | {r['wall_s']:.0f} |")
+        first, last = (r["evals"][0][1], r["evals"][-1][1]) if r["evals"] else (0.0, 0.0)
+        lines.append(f"| {r['name']} | {r['state']} ({r['steps_done']}) | {curve(r)} | {100 * (last - first):+.1f} points "
+                     f"| {r['wall_s']:.0f} |")
     lines.append("")
     RESULTS.write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
