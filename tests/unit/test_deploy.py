@@ -26,7 +26,8 @@ UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 CONFIGS = sorted(p for p in (DEPLOY / "config").glob("*.toml") if not p.name.startswith("job"))
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 SECTIONS = tuple(dict.fromkeys(s.section for s in default_specs(num_engines=1) if s.serves))
-OTHER_SECTIONS = {"common", "run"}  # shared fields; `gyre run`'s stack (services/run.py)
+# shared fields; `gyre run`'s stack (services/run.py); the built-in harness workers (services/harness)
+OTHER_SECTIONS = {"common", "run", "harness"}
 DEPLOYMENTS = ("compose.toml", "systemd.toml")
 
 
@@ -250,6 +251,16 @@ def test_config_sections_are_known(path: Path) -> None:
     data = tomllib.loads(path.read_text())
     unknown = set(data) - {*OTHER_SECTIONS, *SECTIONS}
     assert not unknown, f"{path.name}: unknown sections {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "harness" in tomllib.loads(p.read_text())],
+                         ids=lambda p: p.name)
+def test_a_shipped_harness_section_parses_into_the_harness_config(path: Path) -> None:
+    from services.harness.config import HarnessConfig
+
+    table = tomllib.loads(path.read_text())["harness"]
+    cfg = load_config(HarnessConfig, path=path, section="harness")
+    assert {k: getattr(cfg, k) for k in table} == table
 
 
 @pytest.mark.parametrize("spec", list(variants().values()), ids=lambda s: s.name)
