@@ -20,19 +20,30 @@ import structlog
 
 class _Sink:
     """Where this process's log lines go: the current ``sys.stderr``, or a file while a live
-    progress display owns the terminal (`logs_to_file`), counting the lines sent there."""
+    progress display owns the terminal (`logs_to_file`), counting the lines sent there.
+
+    Whole lines only: a thread's text is held until its newline and each line is written in one
+    call under one lock, so two loggers (structlog prints a line and its newline in two writes;
+    stdlib handlers have a lock of their own) never interleave inside a line."""
 
     def __init__(self) -> None:
         self.file: IO[str] | None = None
         self.lines = 0
         self._lock = threading.Lock()
+        self._partial = threading.local()
 
     def write(self, text: str) -> int:
-        with self._lock:
-            if self.file is None:
-                return sys.stderr.write(text)
-            self.lines += text.count("\n")
-            return self.file.write(text)
+        held = getattr(self._partial, "text", "") + text
+        head, newline, tail = held.rpartition("\n")
+        self._partial.text = tail
+        if newline:
+            with self._lock:
+                if self.file is None:
+                    sys.stderr.write(head + newline)
+                else:
+                    self.lines += head.count("\n") + 1
+                    self.file.write(head + newline)
+        return len(text)
 
     def flush(self) -> None:
         with self._lock:

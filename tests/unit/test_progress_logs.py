@@ -55,3 +55,30 @@ def test_log_lines_go_to_the_file_while_the_table_is_live(tmp_path: Path) -> Non
     assert "a Python warning" in diverted[2]["event"] and all(d["service"] == "gyre run" for d in diverted)
     errs = [json.loads(x)["event"] for x in proc.stderr.splitlines() if x.startswith("{")]
     assert errs == ["before the table", "after the table"]  # nothing else printed while the table showed
+
+
+def test_lines_from_two_writers_never_interleave(tmp_path: Path) -> None:
+    """structlog prints a line and its newline in two writes under its own lock, a stdlib handler
+    writes a whole line under another: the sink still writes whole lines only."""
+    import threading
+
+    from services.common.logging import _SINK, logs_to_file
+
+    def printer() -> None:
+        for i in range(2000):
+            print(json.dumps({"w": "print", "i": i}), file=_SINK, flush=True)  # type: ignore[arg-type]
+
+    def handler() -> None:
+        for i in range(2000):
+            _SINK.write(json.dumps({"w": "handler", "i": i}) + "\n")
+
+    path = tmp_path / "log"
+    with logs_to_file(path) as sink:
+        threads = [threading.Thread(target=printer), threading.Thread(target=handler)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sink.lines == 4000
+    lines = [json.loads(x) for x in path.read_text().splitlines()]  # every line whole JSON
+    assert sorted((d["w"], d["i"]) for d in lines) == sorted((w, i) for w in ("print", "handler") for i in range(2000))
