@@ -110,7 +110,7 @@ async def _session(i: int, job_id: str, worker: Any, gateway: Any, out: dict[str
 
     start = time.perf_counter()
     t0 = time.perf_counter()
-    res = await worker.LeaseExecution(spb.LeaseExecutionRequest(worker_id=f"h{i}", job_id=job_id, wait_s=30),
+    res = await worker.LeaseExecution(spb.LeaseExecutionRequest(harness_id=f"h{i}", job_id=job_id, wait_s=30),
                                       timeout=120)
     out["lease"].append(time.perf_counter() - t0)
     assert res.leased, "the job has one execution per session"
@@ -147,7 +147,7 @@ async def _sessions(scheduler: str, gateway: str, job_id: str, n: int) -> dict[s
 
     out: dict[str, list[float]] = {"lease": [], "call": [], "complete": [], "session": []}
     async with grpc.aio.insecure_channel(scheduler) as sch, grpc.aio.insecure_channel(gateway) as gch:
-        worker = scheduler_pb2_grpc.WorkerStub(sch)
+        worker = scheduler_pb2_grpc.HarnessesStub(sch)
         gw = rollout_pb2_grpc.GatewayStub(gch)
         start = time.perf_counter()
         tokens = await asyncio.gather(*(_session(i, job_id, worker, gw, out) for i in range(n)))
@@ -183,7 +183,7 @@ async def _api_client(worker: Any, job_id: str, stop_at: float, lat: dict[str, l
     cycles = 0
     while time.perf_counter() < stop_at:
         t0 = time.perf_counter()
-        res = await worker.LeaseExecution(spb.LeaseExecutionRequest(worker_id="api", job_id=job_id, wait_s=0),
+        res = await worker.LeaseExecution(spb.LeaseExecutionRequest(harness_id="api", job_id=job_id, wait_s=0),
                                           timeout=60)
         t1 = time.perf_counter()
         if not res.leased:
@@ -210,7 +210,7 @@ async def _api(scheduler: str, job_id: str, clients: int) -> dict[str, Any]:
 
     lat: dict[str, list[float]] = {"lease": [], "heartbeat": [], "complete": []}
     async with grpc.aio.insecure_channel(scheduler) as ch:
-        worker = scheduler_pb2_grpc.WorkerStub(ch)
+        worker = scheduler_pb2_grpc.HarnessesStub(ch)
         start = time.perf_counter()
         cycles = await asyncio.gather(*(_api_client(worker, job_id, start + API_SECONDS, lat) for _ in range(clients)))
         wall = time.perf_counter() - start
@@ -229,7 +229,7 @@ def main() -> None:
         procs.append(rproc)
         base = ["--redis-url", redis_url, "--spool-dir", str(tmp / "spool")]
         # The orchestration loop admits jobs; no cells are registered, so it never switches roles.
-        p, sched_port = _spawn(["services.scheduler.main", *base, "--actuator", "agent", "--tick-interval-s", "0.1"],
+        p, sched_port = _spawn(["services.scheduler.main", *base, "--actuator", "daemon", "--tick-interval-s", "0.1"],
                                "scheduler", tmp)
         procs.append(p)
         p, traj_port = _spawn(["services.trajectory.main", *base], "trajectory", tmp)

@@ -1,7 +1,7 @@
 """An external harness: the official ``openai`` client against Gyre's OpenAI-compatible endpoint.
 
 This is what a harness written outside Gyre looks like. It leases executions from the scheduler's
-worker API, talks to the model only through ``/v1/chat/completions`` at the lease's
+Harnesses API, talks to the model only through ``/v1/chat/completions`` at the lease's
 ``session_base_url`` (an unmodified OpenAI client given only that base URL: the gateway records
 every call as TITO under the session's execution, agent, role and attempt), keeps its own
 workspace, and reports the workspace and end status to the reward service over gRPC. Optionally it
@@ -172,7 +172,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-url", required=True, help="the gateway's OpenAI endpoint, e.g. http://127.0.0.1:8000/v1 "
                    "(used only for leases without a session_base_url)")
-    p.add_argument("--scheduler", required=True, help="host:port of the scheduler's worker API")
+    p.add_argument("--scheduler", required=True, help="host:port of the scheduler (its Harnesses API)")
     p.add_argument("--reward", required=True, help="host:port of the reward service")
     p.add_argument("--job-id", default="", help="lease only this job's executions")
     p.add_argument("--model", default="gyre", help="model name the endpoint serves")

@@ -2,7 +2,7 @@
 
 grpc's and torch's C++ cores log to stderr outside Python's logging (plain text, not JSON) and read
 their verbosity once, when they are imported: every Gyre process, however it is started (the
-launcher, a systemd unit, a cell agent's train command), keeps them to errors unless the
+launcher, a systemd unit, a cell daemon's train command), keeps them to errors unless the
 environment says otherwise (``GRPC_VERBOSITY``, ``TORCH_CPP_LOG_LEVEL``). ``SET_HERE`` names the
 ones set here, so the scorer sandbox's worker can take them out again: the code it runs sees
 exactly the sandbox's environment.

@@ -1,7 +1,7 @@
 """The ``gyre`` command.
 
     gyre up [--model NAME] [--engines N] [--harness-concurrency N] [--redis-url URL]
-                                              Redis (own, AOF) + every service + built-in harness workers
+                                              Redis (own, AOF) + every service + the built-in harness
     gyre status [--json]                      what runs where, and whether it is SERVING
     gyre submit FILE.toml [--field value ...] submit the file's [job]; prints the job id on its last line
     gyre watch JOB [--json]                   live progress until the job ends (--json: one event per line)
@@ -144,7 +144,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVICE_SECTIONS = ("SCHEDULER", "GATEWAY", "ENGINE", "TRAINER", "TRAJECTORY", "REWARD", "CELL_AGENT")
+SERVICE_SECTIONS = ("SCHEDULER", "GATEWAY", "ENGINE", "TRAINER", "TRAJECTORY", "REWARD", "CELL_DAEMON")
 
 
 def cmd_credentials(args: argparse.Namespace) -> int:
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=str(REPO / ".gyre"), help="redis data, spool, logs, run state")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config shared by the services")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="start redis + all services + built-in harness workers")
+    up = sub.add_parser("up", help="start redis + all services + the built-in harness")
     up.add_argument("--model", default="builtin-tiny", help="model the engines serve (name or checkpoint dir)")
     up.add_argument("--engines", type=int, default=2, help="rollout engine cells to start")
     up.add_argument("--harness-concurrency", type=int, default=16, help="executions the built-in harness runs at once")

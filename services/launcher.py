@@ -42,7 +42,7 @@ class ServiceSpec:
     deps: Callable[[Mapping[str, str]], list[str]] = lambda _a: []
     extra: tuple[str, ...] = ()
     serves: bool = True
-    """False for worker processes (the harness) that serve no gRPC and take no service flags."""
+    """False for processes that serve no gRPC (the built-in harness) and take no service flags."""
 
 
 @dataclass
@@ -73,7 +73,7 @@ def default_specs(num_engines: int = 2, *, model: str = "builtin-tiny", job_id: 
     """Every service of one Gyre stack: the processes `gyre up` and `gyre run` start.
 
     Cells: ``cell-0`` is the trainer core (never leaves TRAIN); ``cell-1..N`` host rollout
-    engines. A cell agent per cell registers it with the scheduler and heartbeats; the scheduler
+    engines. A cell daemon per cell registers it with the scheduler and heartbeats; the scheduler
     switches roles through the gateway (drain + migrate) and the trainer (add/release replica).
     """
     threads = ("--torch-threads", str(torch_threads))
@@ -97,32 +97,32 @@ def default_specs(num_engines: int = 2, *, model: str = "builtin-tiny", job_id: 
                     deps=lambda a: ["--gateway-address", a["gateway"], "--trainer-address", a["trainer"],
                                     "--reward-address", a["reward"], "--trajectory-address", a["trajectory"],
                                     "--actuator", "services"]),
-        ServiceSpec("cell-0", "services.scheduler.agent_main", "cell-agent",
+        ServiceSpec("cell-0", "services.scheduler.daemon_main", "cell-daemon",
                     deps=lambda a: ["--scheduler-address", a["scheduler"], "--cell-id", "cell-0",
                                     "--role", "train", "--is-core"]),
     ]
     for i, name in enumerate(engines):
-        specs.append(ServiceSpec(f"cell-{i + 1}", "services.scheduler.agent_main", "cell-agent",
+        specs.append(ServiceSpec(f"cell-{i + 1}", "services.scheduler.daemon_main", "cell-daemon",
                                  deps=_rollout_cell_deps(f"cell-{i + 1}", name)))
     return specs
 
 
 def _rollout_cell_deps(cell_id: str, engine: str) -> Callable[[Mapping[str, str]], list[str]]:
-    """Flags of a rollout cell's agent: its scheduler and the engine it reports on."""
+    """Flags of a rollout cell's daemon: its scheduler and the engine it reports on."""
     return lambda a: ["--scheduler-address", a["scheduler"], "--cell-id", cell_id, "--role", "rollout",
                       "--engine-address", a[engine]]
 
 
-def harness_spec(*, model: str, concurrency: int, worker_id: str, job_id: str = "",
+def harness_spec(*, model: str, concurrency: int, harness_id: str, job_id: str = "",
                  extra: Sequence[str] = ()) -> ServiceSpec:
-    """The built-in harness worker (serves no gRPC): leases the executions of any running job that
+    """The built-in harness process (serves no gRPC): leases the executions of any running job that
     built-in harnesses run (or only ``job_id``'s); ``extra``: more HarnessConfig flags.
-    ``worker_id`` stays the same across the supervisor's restarts, so a restarted harness gives up
+    ``harness_id`` stays the same across the supervisor's restarts, so a restarted harness gives up
     the leases its killed predecessor held at once."""
     job = ["--job-id", job_id] if job_id else []
     return ServiceSpec("harness", "services.harness", "harness", serves=False, extra=tuple(extra),
                        deps=lambda a: ["--scheduler", a["scheduler"], "--gateway", a["gateway"],
-                                       "--worker-id", worker_id,
+                                       "--harness-id", harness_id,
                                        "--reward", a["reward"], *job, "--model-dir", model,
                                        "--concurrency", str(concurrency),
                                        # model calls wait (not fail) while every cell trains
@@ -223,9 +223,9 @@ class Launcher:
         extra = {k: str(v) for k, v in info.items() if k not in ("port", "metrics_port", "pid")}
         return Running(spec.name, proc.pid, address, info.get("metrics_port"), str(log_path), cmd, extra)
 
-    def start_workers(self, specs: Sequence[ServiceSpec], addresses: Mapping[str, str], *,
-                      env: Mapping[str, str] | None = None, echo: Callable[[str], None] = print) -> None:
-        """Start worker processes (no gRPC) after the services are up; recorded for ``down``."""
+    def start_harnesses(self, specs: Sequence[ServiceSpec], addresses: Mapping[str, str], *,
+                        env: Mapping[str, str] | None = None, echo: Callable[[str], None] = print) -> None:
+        """Start harness processes (no gRPC) after the services are up; recorded for ``down``."""
         state = self._load()
         if env:
             self.env = {**os.environ, "PYTHONPATH": str(REPO), **env}
@@ -233,7 +233,7 @@ class Launcher:
             running = self._start_service(spec, state["redis"]["url"], addresses, 30.0)
             state["services"][spec.name] = asdict(running)
             self._save(state)
-            echo(f"{spec.name:<11} worker (pid {running.pid}, log {running.log})")
+            echo(f"{spec.name:<11} no gRPC (pid {running.pid}, log {running.log})")
 
     def start_supervisor(self) -> int:
         """A detached supervisor (services/supervisor.py) that restarts whatever dies, until `down`."""
@@ -283,7 +283,7 @@ class Launcher:
         out: dict[str, Any] = {"up": True, "redis": state.get("redis"), "services": services}
         for name, svc in state["services"].items():
             alive = _pid_alive(svc["pid"])
-            healthy = alive and not svc["address"]  # workers serve no gRPC: alive is all there is
+            healthy = alive and not svc["address"]  # a harness serves no gRPC: alive is all there is
             if alive and svc["address"]:
                 try:
                     wait_for_ready(svc["address"], timeout_s=1.0)

@@ -8,7 +8,7 @@
 
 It is a client of the scheduler's job API and nothing else (``run_job``)::
 
-    up        redis-server + every service + built-in harness workers (``gyre up``'s stack)
+    up        redis-server + every service + the built-in harness (``gyre up``'s stack)
     submit    the job file's [job] (a JobSpec) -> Scheduler.SubmitJob      (``gyre submit``)
     watch     Scheduler.WatchJob until the job ends, live progress          (``gyre watch``)
     report    report.html, figures, metrics.jsonl from the job's events     (``gyre report``)
@@ -52,14 +52,14 @@ class RunConfig:
     """The stack one `gyre run` brings up (TOML [run] of --config); the job itself is the job file."""
 
     engines: int = setting(2, "Rollout cells (engine processes); one more cell is the trainer core.")
-    harness_concurrency: int = setting(16, "Executions the built-in harness workers run at once.")
+    harness_concurrency: int = setting(16, "Executions the built-in harness runs at once.")
     time_budget_s: float = setting(900.0, "Cancel the job (and report) after this long.")
     report_dir: str = setting("reports/latest", "Where report.html, PNGs and metrics.jsonl go.")
     data_dir: str = setting(".gyre/run", "Redis data, spool, checkpoints and logs of this run.")
     model_cache_dir: str = setting(".gyre/models", "Built/converted models.")
     torch_threads: int = setting(1, "Threads per engine/trainer process (2 cores: keep 1).")
     quiet: bool = setting(False, "No live progress display (plain log lines instead).")
-    harness_loop: str = setting("builtin", "Agent loop the built-in harness workers run tool-calling tasks with: builtin, "
+    harness_loop: str = setting("builtin", "Agent loop the built-in harness runs tool-calling tasks with: builtin, "
                                            "openai-agents, smolagents or mini-swe-agent (`--harness NAME` sets it and, "
                                            "without --task or --job, picks --task tools).")
 
@@ -88,7 +88,7 @@ class RunResult:
 
 def bring_up(launcher: Launcher, run: RunConfig, model: str, *, echo: Callable[[str], None],
              job_id: str = "") -> tuple[dict[str, Any], Path, dict[str, str]]:
-    """``gyre up``'s stack for ``model``: services, cells and built-in harness workers (which lease
+    """``gyre up``'s stack for ``model``: services, cells and the built-in harness (which leases
     any running job's executions, or only ``job_id``'s). Returns (running, model dir, env)."""
     from services.models.source import resolve_model
 
@@ -109,9 +109,9 @@ def bring_up(launcher: Launcher, run: RunConfig, model: str, *, echo: Callable[[
     specs = default_specs(run.engines, model=spec_or_dir, torch_threads=run.torch_threads)
     up = launcher.up(specs, redis_url=os.environ.get("REDIS_URL"), echo=echo, env=env)
     addresses = {k: v.address for k, v in up.items()}
-    worker_id = f"{socket.gethostname()}:{launcher.data_dir}:harness"  # one per stack, stable across restarts
-    launcher.start_workers([harness_spec(job_id=job_id, model=str(model_dir), concurrency=run.harness_concurrency,
-                                         worker_id=worker_id, extra=("--loop", run.harness_loop))],
+    harness_id = f"{socket.gethostname()}:{launcher.data_dir}:harness"  # one per stack, stable across restarts
+    launcher.start_harnesses([harness_spec(job_id=job_id, model=str(model_dir), concurrency=run.harness_concurrency,
+                                         harness_id=harness_id, extra=("--loop", run.harness_loop))],
                            addresses, env=env, echo=echo)
     return up, model_dir, env
 
@@ -256,7 +256,7 @@ def split_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str], list[str
             raise ValueError(f"{flag} needs a value")
         if name in ("job", "config", "task"):
             files[name] = args[i + 1]
-        elif name == "harness" and args[i + 1] not in HARNESSES:  # a loop the built-in workers run
+        elif name == "harness" and args[i + 1] not in HARNESSES:  # a loop the built-in harness runs
             if args[i + 1] not in LOOPS:
                 raise ValueError(f"--harness {args[i + 1]!r} is not available; expected {', '.join(LOOPS[1:])} (an "
                                  f"agent loop run on the task's tools) or {' or '.join(HARNESSES)} (who runs the "

@@ -4,7 +4,7 @@
     gyre run   runs a Supervisor thread in its own process
     systemd / compose do the same with Restart=on-failure / restart policies
 
-Every process of ``<data-dir>/run/state.json`` (redis-server, services, cell agents, harness
+Every process of ``<data-dir>/run/state.json`` (redis-server, services, cell daemons, harness
 workers) is checked every ``interval_s``; a dead one is started again with the command it was
 started with, on the same port (others know its address), and its restart is logged, counted in
 state.json (``gyre status`` shows it) and in ``restarts`` of the process's entry. Restarts back off

@@ -52,6 +52,12 @@ class DeadlineExceeded(GyreError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unimplemented(GyreError):
+    """The server does not serve this method (e.g. a service of an older Gyre under another name)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode | None:
     """The status code a domain exception maps to, or None for an unexpected (internal) error."""
     if isinstance(exc, GyreError):
@@ -69,7 +75,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
 
 _BY_CODE: dict[grpc.StatusCode, type[GyreError]] = {
     cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, PermissionDenied,
-                              ResourceExhausted, Unavailable, Aborted, DeadlineExceeded)
+                              ResourceExhausted, Unavailable, Aborted, DeadlineExceeded, Unimplemented)
 }
 
 

@@ -115,7 +115,7 @@ def setup_logging(*, json: bool = True, level: str = "INFO", service: str = "") 
 
 def _no_progress_bars() -> None:
     """A JSON log is no progress display: no tqdm bars (transformers' "Loading weights", hub
-    downloads) in it, whoever started the process (a systemd unit, a cell agent's train command)."""
+    downloads) in it, whoever started the process (a systemd unit, a cell daemon's train command)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when those libraries are imported
     if "transformers.utils.logging" in sys.modules:
         sys.modules["transformers.utils.logging"].disable_progress_bar()

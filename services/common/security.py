@@ -10,7 +10,7 @@
   handler runs (a refused call writes nothing):
 
   ``internal``   the services themselves: every RPC (a process sends the file's first internal token)
-  ``harness``    gateway calls, leases (Scheduler Worker API), workspace submit and scoring, its
+  ``harness``    gateway calls, leases (Scheduler Harnesses API), workspace submit and scoring, its
                  job's scorer (among those the reward service allows), reading its job
   ``operator``   submit / cancel / watch jobs, cells and cordons, trainer status and admin,
                  gateway engine admin, reading scores and trajectory stats
@@ -37,6 +37,9 @@ _H, _O = frozenset({"harness"}), frozenset({"operator"})
 _HO = _H | _O
 # Roles besides ``internal`` (which may call everything) admitted per method; unlisted: internal only.
 METHOD_ROLES: dict[str, frozenset[str]] = {
+    **{f"/gyre.v1.Harnesses/{m}": _H for m in ("LeaseExecution", "Heartbeat", "CompleteExecution", "MintSession",
+                                                 "ReleaseHarness")},
+    # ``Worker``: the former name of ``Harnesses`` (still served for harnesses of 0.x).
     **{f"/gyre.v1.Worker/{m}": _H for m in ("LeaseExecution", "Heartbeat", "CompleteExecution", "MintSession",
                                               "ReleaseWorker")},
     **{f"/gyre.v1.Gateway/{m}": _H for m in ("Generate", "GenerateStream")},

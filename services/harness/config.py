@@ -14,7 +14,7 @@ from services.task.loops import LOOPS
 class HarnessConfig:
     """The built-in harness process."""
 
-    scheduler: str = setting("127.0.0.1:50050", "host:port of the scheduler's worker API.")
+    scheduler: str = setting("127.0.0.1:50050", "host:port of the scheduler (its Harnesses API).")
     gateway: str = setting("127.0.0.1:50052", "host:port of the rollout gateway (TITO gRPC).")
     reward: str = setting("127.0.0.1:50053", "host:port of the reward service.")
     auth_token_file: str = setting("", "File holding this harness's credential (a harness token; see "
@@ -22,10 +22,10 @@ class HarnessConfig:
     tls_ca_file: str = setting("", "CA (PEM) the services' TLS certificates are checked against; empty = plaintext.")
     concurrency: int = setting(4, "Executions run at once (one thread each).")
     job_id: str = setting("", "Lease only this job's executions; empty = any job.")
-    worker_id: str = setting("", "Stable name of this worker process, shown in the scheduler. When set, the process "
+    harness_id: str = setting("", "Stable name of this harness process, shown in the scheduler. When set, the process "
                                  "first gives up the leases this id still holds (its predecessor died holding "
                                  "them), so they run again at once instead of after their lease TTL; two live "
-                                 "workers must never share one. Empty = host + a random suffix (no release).")
+                                 "harness processes must never share one. Empty = host + a random suffix (no release).")
     model_dir: str = setting("", "Tokenizer directory of the served model; empty = the built-in tokenizer.")
     lease_wait_s: float = setting(5.0, "Long-poll wait for work, seconds.")
     call_timeout_s: float = setting(300.0, "Longest one model call may take, seconds.")

@@ -3,7 +3,7 @@
     gyre-harness --scheduler ADDR --gateway ADDR --reward ADDR --concurrency N
     (python -m services.harness ...; every HarnessConfig field is a --flag, TOML [harness])
 
-Each of N worker threads loops:
+Each of N execution threads loops:
 
     scheduler.LeaseExecution ──> payload {"task_id": ...} ──> agent (services.task.agent)
         │  heartbeat thread: Heartbeat every lease_ttl/3; `cancelled` stops the agent
@@ -56,7 +56,7 @@ __all__ = ["HarnessConfig", "Harness", "main"]
 
 
 class Harness:
-    """N worker threads leasing and running executions until `stop()` (or max_executions)."""
+    """N execution threads leasing and running executions until `stop()` (or max_executions)."""
 
     def __init__(self, cfg: HarnessConfig, *, scheduler: Any, gateway: Any, reward: Any,
                  codec: Codec | None = None) -> None:
@@ -64,7 +64,7 @@ class Harness:
         self.scheduler, self.reward = scheduler, reward
         self._codec = codec
         self.model = GatewayModelClient(gateway, retries=cfg.call_retries)
-        self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        self.harness_id = cfg.harness_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
         self.stopping = threading.Event()
         self._policies: dict[str, str] = {}
         self.done = 0
@@ -78,10 +78,10 @@ class Harness:
         self._tokenizer_lock = threading.Lock()
 
     def start(self) -> Harness:
-        if self.cfg.worker_id:
+        if self.cfg.harness_id:
             self._release_predecessor()
         for i in range(self.cfg.concurrency):
-            t = threading.Thread(target=self._worker, name=f"harness-{i}", daemon=True)
+            t = threading.Thread(target=self._run_executions, name=f"harness-{i}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -90,35 +90,35 @@ class Harness:
         self.stopping.set()
 
     def _release_predecessor(self) -> None:
-        """Under a stable worker id, first give up the leases that id still holds: a predecessor
+        """Under a stable harness id, first give up the leases that id still holds: a predecessor
         process died holding them (a crash, a supervisor restart), so they run again now rather
         than after their lease TTL. Before any thread leases, so only the dead process's go."""
         pause = 0.5
         while not self.stopping.is_set():
             try:
-                released = self.scheduler.release_worker(self.worker_id, reason="the worker process (re)started")
+                released = self.scheduler.release_harness(self.harness_id, reason="the harness process (re)started")
             except errors.GyreError as exc:
-                log.warning("releasing the predecessor's leases failed; retrying", worker_id=self.worker_id,
+                log.warning("releasing the predecessor's leases failed; retrying", harness_id=self.harness_id,
                             error=str(exc))
                 self.stopping.wait(pause)
                 pause = min(pause * 2, 5.0)
                 continue
             if released:
-                log.info("predecessor's leases released", worker_id=self.worker_id, executions=released)
+                log.info("predecessor's leases released", harness_id=self.harness_id, executions=released)
             return
 
     def join(self, timeout_s: float | None = None) -> None:
         for t in self._threads:
             t.join(timeout_s)
 
-    def _worker(self) -> None:
+    def _run_executions(self) -> None:
         request_id = ""
         while not self.stopping.is_set():
             # kept across failed attempts: an answer lost in a scheduler crash is given again
             request_id = request_id or secrets.token_hex(12)
             try:
                 # without a job id: any running job whose executions built-in harnesses run
-                lease = self.scheduler.lease(self.worker_id, job_id=self.cfg.job_id, wait_s=self.cfg.lease_wait_s,
+                lease = self.scheduler.lease(self.harness_id, job_id=self.cfg.job_id, wait_s=self.cfg.lease_wait_s,
                                              harness="" if self.cfg.job_id else "builtin", request_id=request_id)
             except errors.GyreError as exc:
                 log.warning("lease failed", error=str(exc))
@@ -279,7 +279,7 @@ class Harness:
             reason = f"{type(exc).__name__}: {exc}"
             blog.warning("execution failed", error=reason)
         except Exception as exc:  # noqa: BLE001 -- a fault barrier: a runner's (or a third-party loop's) own
-            # error ends this execution as failed; left to propagate it would kill the worker thread and
+            # error ends this execution as failed; left to propagate it would kill the execution thread and
             # leave the lease renewed by the heartbeat forever, stalling the job
             reason = f"runner error: {type(exc).__name__}: {exc}"[:500]
             blog.exception("execution failed in its runner", error=reason)
@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     harness.start()
-    log.info("harness running", worker_id=harness.worker_id, concurrency=cfg.concurrency)
+    log.info("harness running", harness_id=harness.harness_id, concurrency=cfg.concurrency)
     while not harness.stopping.wait(0.5):
         pass
     harness.join(timeout_s=cfg.call_timeout_s)

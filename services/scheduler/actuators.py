@@ -8,17 +8,17 @@
     TRAIN -> ROLLOUT   trainer.ReleaseReplica(cell)   the replica leaves now (gradient hand-off) and exits
                        gateway.RegisterEngine(cell)   the engine (at the cell's address) is routable again
 
-A cell whose agent ``hosts_replica`` (its ``train_command`` is set: the replica runs on the cell's
-own host, as it must when cells are separate machines) is switched through its agent as well:
-ROLLOUT -> TRAIN drains, then the agent starts the replica and the trainer only waits for it to join
-(``AddReplica(hosted)``); TRAIN -> ROLLOUT releases it at the trainer, then the agent stops it
+A cell whose daemon ``hosts_replica`` (its ``train_command`` is set: the replica runs on the cell's
+own host, as it must when cells are separate machines) is switched through its daemon as well:
+ROLLOUT -> TRAIN drains, then the daemon starts the replica and the trainer only waits for it to join
+(``AddReplica(hosted)``); TRAIN -> ROLLOUT releases it at the trainer, then the daemon stops it
 (SIGTERM: it hands off its gradient and exits).
 
-``AgentActuator`` - each cell runs a ``CellAgent`` (``cell_agent.py``) that owns the cell's role
+``DaemonActuator`` - each cell runs a ``CellDaemon`` (``cell_daemon.py``) that owns the cell's role
 process. A busy ROLLOUT cell is drained through the gateway first (when one is configured; without
-one a busy cell is refused, since nothing could migrate its work), then the agent switches.
+one a busy cell is refused, since nothing could migrate its work), then the daemon switches.
 
-Both are idempotent per switch id (the trainer and the agent take it as an idempotency key; a
+Both are idempotent per switch id (the trainer and the daemon take it as an idempotency key; a
 drain of an engine that is already gone is a no-op), as the orchestrator requires: after a crash
 it carries the same switch out again.
 """
@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from services.common.logging import get_logger
 from services.rollout.client import GatewayClient
-from services.scheduler.client import CellAgentClient, TrainerMembershipClient
+from services.scheduler.client import CellDaemonClient, TrainerMembershipClient
 from services.scheduler.jobs import CellRecord, JobStatus
 from services.common.roles import CellRole
 
@@ -64,7 +64,7 @@ class ServicesActuator:
     def __init__(self, *, gateway_address: str, trainer_address: str, timeout_s: float = 600.0) -> None:
         if not gateway_address or not trainer_address:
             raise ValueError("the 'services' actuator needs gateway_address and trainer_address "
-                             "(or use actuator = 'agent')")
+                             "(or use actuator = 'daemon')")
         self.gateway = GatewayClient(gateway_address, timeout_s=timeout_s)
         self.trainer = TrainerMembershipClient(trainer_address, timeout_s=timeout_s)
         self.timeout_s = timeout_s
@@ -73,7 +73,7 @@ class ServicesActuator:
                migrate_to: Sequence[CellRecord],
                on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> dict[str, str]:
         """Carry the switch out; returns event attributes: the drain's migrations, and ``phases``
-        (JSON seconds per phase: drain, release, agent, replica_join, engine_resume)."""
+        (JSON seconds per phase: drain, release, daemon, replica_join, engine_resume)."""
         info: dict[str, str] = {}
         phases: dict[str, float] = {}
         t = time.perf_counter()
@@ -90,7 +90,7 @@ class ServicesActuator:
                 on_migrated(info)
             lap("drain")
         elif from_role is CellRole.TRAIN:
-            # a hosted replica is only released here: its agent stops it below (and waits for it)
+            # a hosted replica is only released here: its daemon stops it below (and waits for it)
             wait_s = 0.0 if cell.hosts_replica else self.timeout_s
             try:
                 released = self.trainer.release_replica(cell.cell_id, wait_s=wait_s) or cell.hosts_replica
@@ -100,14 +100,14 @@ class ServicesActuator:
                 raise Unavailable(f"the trainer did not release {cell.cell_id} within {self.timeout_s:.0f}s")
             lap("release")  # the replica handed its gradient off and left
         if cell.hosts_replica:
-            with CellAgentClient(cell.address, timeout_s=self.timeout_s) as agent:
-                role, took = agent.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id,
+            with CellDaemonClient(cell.address, timeout_s=self.timeout_s) as daemon:
+                role, took = daemon.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id,
                                             job_id=job.job_id, step=job.current_step,
                                             weight_version=job.weight_version)
             if role is not to_role:
-                raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
-            log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
-            lap("agent")
+                raise Unavailable(f"daemon of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
+            log.info("daemon switched", cell_id=cell.cell_id, to_role=to_role.value, daemon_s=round(took, 3))
+            lap("daemon")
         if to_role is CellRole.TRAIN:
             self.trainer.add_replica(cell.cell_id, switch_id=switch_id, wait_s=min(self.timeout_s, 120.0),
                                      hosted=cell.hosts_replica)
@@ -115,7 +115,7 @@ class ServicesActuator:
         elif to_role is CellRole.ROLLOUT:
             try:
                 # "": the engine the gateway knew for this cell before the drain (the cell's
-                # registered address is its agent's, not its engine's)
+                # registered address is its daemon's, not its engine's)
                 self.gateway.register_engine(cell.cell_id, "")
             except AlreadyExists:
                 pass
@@ -128,7 +128,7 @@ class ServicesActuator:
         self.trainer.close()
 
 
-class AgentActuator:
+class DaemonActuator:
     def __init__(self, *, gateway_address: str = "", timeout_s: float = 600.0) -> None:
         self.gateway = GatewayClient(gateway_address, timeout_s=timeout_s) if gateway_address else None
         self.timeout_s = timeout_s
@@ -145,12 +145,12 @@ class AgentActuator:
             elif cell.inflight > 0 and job.running > 0:  # a stale count once the job runs nothing
                 raise FailedPrecondition(f"{cell.cell_id} hosts {cell.inflight} executions and no gateway is "
                                          f"configured to migrate them; refusing to interrupt them")
-        with CellAgentClient(cell.address, timeout_s=self.timeout_s) as agent:
-            role, took = agent.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id, job_id=job.job_id,
+        with CellDaemonClient(cell.address, timeout_s=self.timeout_s) as daemon:
+            role, took = daemon.set_role(cell_id=cell.cell_id, role=to_role, switch_id=switch_id, job_id=job.job_id,
                                         step=job.current_step, weight_version=job.weight_version)
         if role is not to_role:
-            raise Unavailable(f"agent of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
-        log.info("agent switched", cell_id=cell.cell_id, to_role=to_role.value, agent_s=round(took, 3))
+            raise Unavailable(f"daemon of {cell.cell_id} reports {role.value} after switching to {to_role.value}")
+        log.info("daemon switched", cell_id=cell.cell_id, to_role=to_role.value, daemon_s=round(took, 3))
         return info
 
     def close(self) -> None:

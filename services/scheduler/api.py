@@ -45,7 +45,7 @@ LEASES = Counter("gyre_scheduler_leases_total", "Executions leased to harnesses.
 COMPLETIONS = Counter("gyre_scheduler_completions_total", "Executions completed, by status (duplicates apart).",
                       ["status"], registry=REGISTRY)
 RELEASED = Counter("gyre_scheduler_released_leases_total",
-                   "Leases given up by a restarted worker (ReleaseWorker) rather than left to expire.",
+                   "Leases given up by a restarted harness (ReleaseHarness) rather than left to expire.",
                    registry=REGISTRY)
 
 EVENT_ID_RE = re.compile(r"^\d{1,20}-\d{1,20}$")
@@ -198,13 +198,13 @@ class SchedulerApi:
     def get_execution(self, execution_id: str) -> ExecutionRecord:
         return self.state.execution(_require(execution_id, "execution_id"))
 
-    # ---------------------------------------------------------------- worker API
+    # ---------------------------------------------------------------- harness API
 
-    def lease(self, worker_id: str, job_id: str, wait_s: float, *, harness: str = "",
+    def lease(self, harness_id: str, job_id: str, wait_s: float, *, harness: str = "",
               request_id: str = "") -> Lease | None:
         """Lease an execution (of ``job_id``, or of any running job run by ``harness`` harnesses),
         waiting up to ``wait_s``."""
-        _require(worker_id, "worker_id")
+        _require(harness_id, "harness_id")
         if not 0 <= wait_s <= MAX_WAIT_S:
             raise InvalidArgument(f"wait_s is {wait_s}; expected 0..{MAX_WAIT_S:.0f} seconds")
         if job_id:
@@ -222,13 +222,13 @@ class SchedulerApi:
                 candidates = self.state.active_job_ids()
                 if harness:
                     candidates = [j for j, h in zip(candidates, self.state.job_harnesses(candidates)) if h == harness]
-            lease = self.state.lease(candidates, worker_id, self.lease_ttl_s, strict=bool(job_id),
+            lease = self.state.lease(candidates, harness_id, self.lease_ttl_s, strict=bool(job_id),
                                      request_id=request_id)
             if lease is not None:
                 lease = self._with_session(lease)
                 LEASES.inc()
                 log.debug("leased", job_id=lease.job_id, execution_id=lease.execution_id, attempt=lease.attempt,
-                          worker_id=worker_id)
+                          harness_id=harness_id)
                 return lease
             left = deadline - time.monotonic()
             if left <= 0:
@@ -265,16 +265,16 @@ class SchedulerApi:
         log.info("session minted", execution_id=execution_id, agent_id=agent_id, role=role)
         return minted
 
-    def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
-        """A worker (re)starting under ``worker_id`` gives up every lease that id holds: its
+    def release_harness(self, harness_id: str, reason: str = "") -> list[str]:
+        """A harness (re)starting under ``harness_id`` gives up every lease that id holds: its
         predecessor died holding them, so they run again now instead of after their lease TTL."""
-        _require(worker_id, "worker_id")
+        _require(harness_id, "harness_id")
         if len(reason) > 4096:
             raise InvalidArgument("reason is longer than 4096 characters")
-        released = self.state.release_worker(worker_id)
+        released = self.state.release_harness(harness_id)
         if released:
             RELEASED.inc(len(released))
-            log.info("worker leases released", worker_id=worker_id, executions=released, reason=reason)
+            log.info("harness leases released", harness_id=harness_id, executions=released, reason=reason)
         return released
 
     def heartbeat(self, execution_id: str, lease_token: str) -> tuple[float, float, bool]:

@@ -1,4 +1,4 @@
-"""Typed clients of the scheduler (``SchedulerClient``) and of a cell agent (``CellAgentClient``).
+"""Typed clients of the scheduler (``SchedulerClient``) and of a cell daemon (``CellDaemonClient``).
 
 They speak domain types (``JobSpec``, ``JobStatus``, ``Lease``, ``Event``...) and raise the domain
 errors of ``services.common.errors`` carrying the server's message, so callers never see protos.
@@ -14,9 +14,11 @@ errors of ``services.common.errors`` carrying the server's message, so callers n
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from protos.gyre.v1 import scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.client import GrpcClient
+from services.common.errors import Unimplemented
 from services.scheduler.api import CellInfo
 from services.scheduler.convert import (
     JOB_STATE_TO_PB,
@@ -42,12 +44,12 @@ _PHASES = {"started": pb.TRAINING_PHASE_STARTED, "published": pb.TRAINING_PHASE_
 
 
 class SchedulerClient(GrpcClient):
-    """All scheduler services (Scheduler, Worker, Cells) over one channel; thread-safe."""
+    """All scheduler services (Scheduler, Harnesses, Cells) over one channel; thread-safe."""
 
     def __init__(self, address: str, *, timeout_s: float = 30.0, max_message_mb: int = 64) -> None:
         super().__init__(address, timeout_s=timeout_s, max_message_mb=max_message_mb)
         self._sched = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._worker = scheduler_pb2_grpc.WorkerStub(self._channel)
+        self._harnesses = scheduler_pb2_grpc.HarnessesStub(self._channel)
         self._cells = scheduler_pb2_grpc.CellsStub(self._channel)
 
     # -- jobs
@@ -99,39 +101,39 @@ class SchedulerClient(GrpcClient):
                                                                       reason=reason))
         return cell_from_proto(res.cell)
 
-    # -- worker (harnesses)
-    def lease(self, worker_id: str, *, job_id: str = "", wait_s: float = 0.0, harness: str = "",
+    # -- harnesses
+    def lease(self, harness_id: str, *, job_id: str = "", wait_s: float = 0.0, harness: str = "",
               request_id: str = "") -> Lease | None:
         """An execution of ``job_id`` (or of any running job run by ``harness`` harnesses:
         "builtin", "external"; "" any), waiting up to ``wait_s``; None when there was none.
         ``request_id``: send the same one when retrying after an error (see the proto)."""
-        req = pb.LeaseExecutionRequest(worker_id=worker_id, job_id=job_id, wait_s=wait_s, harness=harness,
+        req = pb.LeaseExecutionRequest(harness_id=harness_id, job_id=job_id, wait_s=wait_s, harness=harness,
                                        request_id=request_id)
-        res = self._call(self._worker.LeaseExecution, req, self.timeout_s + wait_s)
+        res = self._call(self._harnesses.LeaseExecution, req, self.timeout_s + wait_s)
         return lease_from_proto(res.lease) if res.leased else None
 
     def heartbeat(self, execution_id: str, lease_token: str) -> tuple[float, float, bool]:
         """Extend a lease: (deadline_s, lease_expires_s, job_cancelled)."""
-        res = self._call(self._worker.Heartbeat, pb.HeartbeatRequest(execution_id=execution_id,
+        res = self._call(self._harnesses.Heartbeat, pb.HeartbeatRequest(execution_id=execution_id,
                                                                       lease_token=lease_token))
         return res.deadline_s, res.lease_expires_s, res.cancelled
 
     def complete(self, execution_id: str, lease_token: str, status: ExecState, reason: str = "") -> CompleteResult:
         req = pb.CompleteLeaseRequest(execution_id=execution_id, lease_token=lease_token,
                                           status=STATUS_TO_PB[status], reason=reason)
-        res = self._call(self._worker.CompleteExecution, req)
+        res = self._call(self._harnesses.CompleteExecution, req)
         state = STATUS_FROM_PB.get(res.status, ExecState.FAILED) if res.duplicate else status
         return CompleteResult(state, res.duplicate, res.done_in_step)
 
     def mint_session(self, execution_id: str, lease_token: str, *, agent_id: str, role: str) -> tuple[str, str]:
         """A session (token, base URL) for another agent of a leased execution (a sub-agent, a summary)."""
-        res = self._call(self._worker.MintSession, pb.MintSessionRequest(
+        res = self._call(self._harnesses.MintSession, pb.MintSessionRequest(
             execution_id=execution_id, lease_token=lease_token, agent_id=agent_id, role=role))
         return res.session_token, res.session_base_url
 
-    def release_worker(self, worker_id: str, reason: str = "") -> list[str]:
-        """Give up every lease ``worker_id`` holds (call it when starting under a stable id)."""
-        res = self._call(self._worker.ReleaseWorker, pb.ReleaseWorkerRequest(worker_id=worker_id, reason=reason))
+    def release_harness(self, harness_id: str, reason: str = "") -> list[str]:
+        """Give up every lease ``harness_id`` holds (call it when starting under a stable id)."""
+        res = self._call(self._harnesses.ReleaseHarness, pb.ReleaseHarnessRequest(harness_id=harness_id, reason=reason))
         return list(res.execution_ids)
 
     # -- cells
@@ -158,23 +160,36 @@ class SchedulerClient(GrpcClient):
         return ROLE_FROM_PB[res.role]
 
 
-class CellAgentClient(GrpcClient):
-    """Client of one cell's ``CellAgent`` (what the agent actuator calls)."""
+class CellDaemonClient(GrpcClient):
+    """Client of one cell's ``CellDaemon`` (what the daemon actuator calls)."""
 
     def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
         super().__init__(address, timeout_s=timeout_s, max_message_mb=64)
-        self._stub = scheduler_pb2_grpc.CellAgentStub(self._channel)
+        self._stub: Any = scheduler_pb2_grpc.CellDaemonStub(self._channel)
+        self._former = False
+
+    def _call_daemon(self, method: str, req: Any) -> Any:
+        """Call ``method``; a daemon of 0.x serves it only under the former name ``CellAgent``
+        (UNIMPLEMENTED under ``CellDaemon``), so that answer switches this client to it once."""
+        try:
+            return self._call(getattr(self._stub, method), req)
+        except Unimplemented:
+            if self._former:
+                raise
+            self._former = True
+            self._stub = scheduler_pb2_grpc.CellAgentStub(self._channel)
+            return self._call(getattr(self._stub, method), req)
 
     def set_role(self, *, cell_id: str, role: CellRole, switch_id: str, job_id: str = "", step: int = 0,
                  weight_version: int = 0) -> tuple[CellRole, float]:
         """Change the cell's role (idempotent per switch_id): (role now, seconds the change took)."""
         req = pb.SetRoleRequest(cell_id=cell_id, role=ROLE_TO_PB[role], switch_id=switch_id, job_id=job_id,
                                 step=step, weight_version=weight_version)
-        res = self._call(self._stub.SetRole, req)
+        res = self._call_daemon("SetRole", req)
         return ROLE_FROM_PB[res.role], res.duration_s
 
     def get_role(self) -> tuple[str, CellRole, str]:
-        res = self._call(self._stub.GetRole, pb.GetRoleRequest())
+        res = self._call_daemon("GetRole", pb.GetRoleRequest())
         return res.cell_id, ROLE_FROM_PB[res.role], res.last_switch_id
 
 
@@ -188,7 +203,7 @@ class TrainerMembershipClient(GrpcClient):
 
     def add_replica(self, cell_id: str, *, switch_id: str, wait_s: float, hosted: bool = False) -> str:
         """Start a trainer replica on ``cell_id`` that joins the running step (``hosted``: the cell's
-        agent starts it; only wait for it to join); returns its replica id."""
+        daemon starts it; only wait for it to join); returns its replica id."""
         req = trainer_pb2.AddReplicaRequest(cell_id=cell_id, switch_id=switch_id, wait_s=wait_s, hosted=hosted)
         return str(self._call(self._stub.AddReplica, req, wait_s + 30.0).replica_id)
 

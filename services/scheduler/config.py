@@ -6,7 +6,8 @@ import dataclasses
 
 from services.common.config import ServerConfig, check, setting
 
-ACTUATORS = ("services", "agent")
+ACTUATORS = ("services", "daemon")
+FORMER_ACTUATORS = {"agent": "daemon"}  # names of 0.x, still accepted
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,8 +32,8 @@ class SchedulerConfig(ServerConfig):
               "service addresses are set; false: the client does it.")
     actuator: str = setting(
         "services",
-        "How role switches are carried out: 'services' (gateway + trainer RPCs) or 'agent' (each cell's "
-        "CellAgent at its registered address).")
+        "How role switches are carried out: 'services' (gateway + trainer RPCs) or 'daemon' (each cell's "
+        "CellDaemon at its registered address; 'agent', its former name, is accepted).")
     orchestrate: bool = setting(True, "Run the orchestration loop (false: API-only replica).")
     instance_id: str = setting("", "Name of this scheduler for leadership; empty: host:port (stable across restarts, "
                                    "so a restarted instance leads again at once). Never share one between two live "
@@ -50,7 +51,9 @@ class SchedulerConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.actuator in ACTUATORS, "actuator", self.actuator, "'services' or 'agent'")
+        if self.actuator in FORMER_ACTUATORS:
+            object.__setattr__(self, "actuator", FORMER_ACTUATORS[self.actuator])
+        check(self.actuator in ACTUATORS, "actuator", self.actuator, "'services' or 'daemon'")
         check(self.tick_interval_s > 0, "tick_interval_s", self.tick_interval_s, "a positive number of seconds")
         check(self.leader_ttl_s > self.tick_interval_s, "leader_ttl_s", self.leader_ttl_s,
               "more seconds than tick_interval_s")
@@ -68,14 +71,14 @@ class SchedulerConfig(ServerConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CellAgentConfig(ServerConfig):
-    """A cell's agent: registers the cell, heartbeats its load, runs its role's process."""
+class CellDaemonConfig(ServerConfig):
+    """A cell's daemon: registers the cell, heartbeats its load, runs its role's process."""
 
     scheduler_address: str = setting("", "Scheduler to register with and heartbeat to (required).")
     cell_id: str = setting("", "Id of this cell (required).")
     role: str = setting("rollout", "Role at start: rollout, train or idle (the core cell: train).")
     is_core: bool = setting(False, "This cell holds the authoritative weights and never leaves training.")
-    advertise_host: str = setting("", "Host the scheduler dials for this agent; empty: the bind host.")
+    advertise_host: str = setting("", "Host the scheduler dials for this daemon; empty: the bind host.")
     kv_capacity_tokens: int = setting(0, "KV-cache capacity of the cell's engine, tokens (when no engine reports).")
     num_accelerators: int = setting(1, "Accelerators in this cell.")
     heartbeat_interval_s: float = setting(2.0, "Seconds between heartbeats to the scheduler.")

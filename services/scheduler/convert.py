@@ -158,7 +158,7 @@ def lease_to_proto(lz: Lease, job: JobSpec) -> scheduler_pb2.ExecutionLease:
 
 def execution_to_proto(x: ExecutionRecord) -> scheduler_pb2.Execution:
     return pb.Execution(execution_id=x.execution_id, job_id=x.job_id, step=x.step, group_id=x.group_id,
-                        state=EXEC_STATE_TO_PB[x.state], attempt=x.attempt, worker_id=x.worker_id,
+                        state=EXEC_STATE_TO_PB[x.state], attempt=x.attempt, harness_id=x.harness_id,
                         deadline_s=x.deadline_s, lease_expires_s=x.lease_expires_s, reason=x.reason)
 
 
@@ -206,7 +206,7 @@ def lease_from_proto(p: scheduler_pb2.ExecutionLease) -> Lease:
 
 def execution_from_proto(p: scheduler_pb2.Execution) -> ExecutionRecord:
     return ExecutionRecord(execution_id=p.execution_id, job_id=p.job_id, step=p.step, group_id=p.group_id,
-                           state=EXEC_STATE_FROM_PB[p.state], attempt=p.attempt, worker_id=p.worker_id,
+                           state=EXEC_STATE_FROM_PB[p.state], attempt=p.attempt, harness_id=p.harness_id,
                            deadline_s=p.deadline_s, lease_expires_s=p.lease_expires_s, reason=p.reason)
 
 

@@ -177,7 +177,7 @@ class JobSpec:
     algorithm: Algorithm = field(default_factory=Algorithm)
     evaluation: Evaluation = field(default_factory=Evaluation)
     scorer: str = ""  # "builtin:NAME", "entry_point:module:function", "external:host:port"; "": the family's
-    harness: str = "builtin"  # who runs the executions: built-in harness workers, or an external harness
+    harness: str = "builtin"  # who runs the executions: the built-in harness, or an external one
     seed: int = 0  # seed of sampling and training (tasks are seeded by the task source's params)
     max_attempts: int = 3  # leases that may expire before the execution is marked failed
     # policy knobs (see ``policy.PolicyParams``)
@@ -411,7 +411,7 @@ class ExecutionRecord:
     group_id: str
     state: ExecState
     attempt: int
-    worker_id: str
+    harness_id: str
     deadline_s: float
     lease_expires_s: float
     reason: str

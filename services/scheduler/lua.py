@@ -91,7 +91,7 @@ xadd(KEYS[3], ARGV[4], ARGV[3], 'evaluation_started', 'round', round, 'after_ste
 return {1, n}
 """
 
-# KEYS: job, queue, running, leases   ARGV: exec_prefix, now, ttl_ms, token, worker_id
+# KEYS: job, queue, running, leases   ARGV: exec_prefix, now, ttl_ms, token, harness_id
 LEASE = r"""
 local st, timeout_ms = unpack(redis.call('HMGET', KEYS[1], 'state', 'execution_timeout_ms'))
 if not st then return {-1} end
@@ -104,9 +104,9 @@ local now = tonumber(ARGV[2])
 local expires = now + tonumber(ARGV[3])
 local deadline = now + tonumber(timeout_ms)
 local attempt = redis.call('HINCRBY', ek, 'attempt', 1)
-redis.call('HSET', ek, 'state', 'leased', 'token', ARGV[4], 'worker_id', ARGV[5],
+redis.call('HSET', ek, 'state', 'leased', 'token', ARGV[4], 'harness_id', ARGV[5],
            'lease_expires_ms', expires, 'deadline_ms', deadline, 'leased_ms', now)
-redis.call('HDEL', ek, 'lease_released')
+redis.call('HDEL', ek, 'lease_released', 'worker_id')  -- worker_id: harness_id's name before 0.x's rename
 redis.call('ZADD', KEYS[4], expires, eid)
 redis.call('SADD', KEYS[3], eid)
 if ARGV[6] ~= '' then redis.call('SET', ARGV[6], eid, 'PX', ARGV[3]) end  -- the request's answer
@@ -116,7 +116,7 @@ return {1, eid, attempt, deadline, expires, f[1], f[2], f[3], f[4] or ''}
 
 # KEYS: exec, leases, running, queue, job   ARGV: token, now, ttl_ms, execution_id
 # Extends a lease. A lease that expired but was not leased again is revived (same token), unless its
-# worker gave it up (ReleaseWorker).
+# harness gave it up (ReleaseHarness).
 HEARTBEAT = r"""
 local st, tok, deadline, released = unpack(redis.call('HMGET', KEYS[1], 'state', 'token', 'deadline_ms',
                                                       'lease_released'))
@@ -251,15 +251,16 @@ end
 return n
 """
 
-# KEYS: leases   ARGV: exec_prefix, worker_id, now
-# Ends every lease held by worker_id now (its process restarted: they can never be renewed); the
+# KEYS: leases   ARGV: exec_prefix, harness_id, now
+# Ends every lease held by harness_id now (its process restarted: they can never be renewed); the
 # reaper re-queues them (or ends them as timeouts after max_attempts) on its next pass.
-RELEASE_WORKER = r"""
+RELEASE_HARNESS = r"""
 local out = {}
 for _, eid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local ek = ARGV[1] .. eid
-  local st, worker = unpack(redis.call('HMGET', ek, 'state', 'worker_id'))
-  if st == 'leased' and worker == ARGV[2] then
+  -- worker_id: the field's name before the rename, in a lease taken by a scheduler of 0.x
+  local st, holder, former = unpack(redis.call('HMGET', ek, 'state', 'harness_id', 'worker_id'))
+  if st == 'leased' and (holder or former) == ARGV[2] then
     redis.call('ZADD', KEYS[1], ARGV[3], eid)
     redis.call('HSET', ek, 'lease_expires_ms', ARGV[3], 'lease_released', '1')  -- no grace re-extends it
     out[#out + 1] = eid

@@ -1,4 +1,4 @@
-"""``gyre-scheduler``: the scheduler process (job/worker/cell API + orchestration loop).
+"""``gyre-scheduler``: the scheduler process (job, harness and cell APIs + orchestration loop).
 
     python -m services.scheduler.main --config deploy/config/local.toml --redis-url redis://... \
         --gateway-address 127.0.0.1:50051 --trainer-address 127.0.0.1:50061
@@ -24,7 +24,7 @@ log = get_logger("services.scheduler")
 
 
 def build_scheduler(cfg: SchedulerConfig) -> Built:
-    from services.scheduler.actuators import AgentActuator, ServicesActuator
+    from services.scheduler.actuators import DaemonActuator, ServicesActuator
     from services.scheduler.api import SchedulerApi
     from services.scheduler.orchestrator import Orchestrator
     from services.scheduler.servicer import SERVICE_NAMES, registrations
@@ -37,9 +37,9 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
                           port=cfg.port, max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
     if not cfg.orchestrate:
         return server, None
-    actuator: AgentActuator | ServicesActuator
-    if cfg.actuator == "agent":
-        actuator = AgentActuator(gateway_address=cfg.gateway_address, timeout_s=cfg.actuator_timeout_s)
+    actuator: DaemonActuator | ServicesActuator
+    if cfg.actuator == "daemon":
+        actuator = DaemonActuator(gateway_address=cfg.gateway_address, timeout_s=cfg.actuator_timeout_s)
     else:
         actuator = ServicesActuator(gateway_address=cfg.gateway_address, trainer_address=cfg.trainer_address,
                                     timeout_s=cfg.actuator_timeout_s)

@@ -19,7 +19,7 @@ One loop per scheduler deployment (the instance holding the ``leader`` lease in 
 
 The actuator is the seam to the outside (``actuators.py``): the gateway drains the cell's engine
 (migrating its in-flight requests, so no execution is interrupted) and the trainer takes or gives
-back the replica; or a cell agent does the same on its cell. Each switch's duration goes to
+back the replica; or a cell daemon does the same on its cell. Each switch's duration goes to
 Redis (switch_log stream, the job's events) and the ``gyre_scheduler_switch_seconds`` histogram.
 
 Lifecycle: built -> start() (thread) -> stop() (waits for in-flight switches, releases leadership).

@@ -1,7 +1,8 @@
 """gRPC adapters of the scheduler: proto in -> domain types -> ``SchedulerApi`` -> proto out.
 
-Serves ``Scheduler`` (clients, trainer), ``Worker`` (harnesses) and ``Cells`` (cells); the
-``CellAgent`` servicer is for a cell's agent process. Errors
+Serves ``Scheduler`` (clients, trainer), ``Harnesses`` (harnesses) and ``Cells`` (cells), plus
+``Worker``, the former name of ``Harnesses``, for clients of 0.x; the ``CellDaemon`` servicer is
+for a cell's daemon process. Errors
 are raised as domain exceptions; the common server interceptor maps them to status codes.
 Conversions live in ``convert.py`` (shared with the client).
 """
@@ -16,7 +17,7 @@ from protos.gyre.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.errors import InvalidArgument
 from services.common.server import Registration
 from services.scheduler.api import CellInfo, SchedulerApi
-from services.scheduler.cell_agent import CellAgent
+from services.scheduler.cell_daemon import CellDaemon
 from services.scheduler.convert import (
     JOB_STATE_FROM_PB,
     ROLE_FROM_PB,
@@ -87,13 +88,13 @@ def _cell_info(info: CellInfo) -> scheduler_pb2.Cell:
     return p
 
 
-class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
+class HarnessesServicer(scheduler_pb2_grpc.HarnessesServicer):
     def __init__(self, api: SchedulerApi) -> None:
         self.api = api
 
     def LeaseExecution(self, request: pb.LeaseExecutionRequest,
                        context: grpc.ServicerContext) -> pb.LeaseExecutionResponse:
-        lease = self.api.lease(request.worker_id, request.job_id, request.wait_s, harness=request.harness,
+        lease = self.api.lease(request.harness_id, request.job_id, request.wait_s, harness=request.harness,
                                request_id=request.request_id)
         if lease is None:
             return pb.LeaseExecutionResponse(leased=False)
@@ -115,9 +116,22 @@ class WorkerServicer(scheduler_pb2_grpc.WorkerServicer):
         token, url = self.api.mint_session(request.execution_id, request.lease_token, request.agent_id, request.role)
         return pb.MintSessionResponse(session_token=token, session_base_url=url)
 
-    def ReleaseWorker(self, request: pb.ReleaseWorkerRequest,
-                      context: grpc.ServicerContext) -> pb.ReleaseWorkerResponse:
-        return pb.ReleaseWorkerResponse(execution_ids=self.api.release_worker(request.worker_id, request.reason))
+    def ReleaseHarness(self, request: pb.ReleaseHarnessRequest,
+                       context: grpc.ServicerContext) -> pb.ReleaseHarnessResponse:
+        return pb.ReleaseHarnessResponse(execution_ids=self.api.release_harness(request.harness_id, request.reason))
+
+
+class FormerWorkerServicer(scheduler_pb2_grpc.WorkerServicer):
+    """``Worker``, the former name of ``Harnesses``: the same methods, answered by ``HarnessesServicer``
+    (a harness of 0.x keeps working against this scheduler)."""
+
+    def __init__(self, harnesses: HarnessesServicer) -> None:
+        self.LeaseExecution = harnesses.LeaseExecution  # type: ignore[method-assign]
+        self.Heartbeat = harnesses.Heartbeat  # type: ignore[method-assign]
+        self.CompleteExecution = harnesses.CompleteExecution  # type: ignore[method-assign]
+        self.MintSession = harnesses.MintSession  # type: ignore[method-assign]
+        self.ReleaseWorker = harnesses.ReleaseHarness  # type: ignore[method-assign]
+
 
 class CellsServicer(scheduler_pb2_grpc.CellsServicer):
     def __init__(self, api: SchedulerApi) -> None:
@@ -149,31 +163,35 @@ class CellsServicer(scheduler_pb2_grpc.CellsServicer):
 
 def registrations(api: SchedulerApi) -> list[Registration]:
     """(add_*_to_server, servicer) pairs for ``build_server``."""
+    harnesses = HarnessesServicer(api)
     return [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(api)),
-            (scheduler_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(api)),
+            (scheduler_pb2_grpc.add_HarnessesServicer_to_server, harnesses),
+            (scheduler_pb2_grpc.add_WorkerServicer_to_server, FormerWorkerServicer(harnesses)),
             (scheduler_pb2_grpc.add_CellsServicer_to_server, CellsServicer(api))]
 
 
-SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Scheduler", "Worker", "Cells")]
+SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Scheduler", "Harnesses", "Worker",
+                                                                                       "Cells")]
 
 
-class CellAgentServicer(scheduler_pb2_grpc.CellAgentServicer):
-    """Served by a cell's agent process (``agent_main.py``), not by the scheduler."""
+class CellDaemonServicer(scheduler_pb2_grpc.CellDaemonServicer):
+    """Served by a cell's daemon process (``daemon_main.py``), not by the scheduler."""
 
-    def __init__(self, agent: CellAgent) -> None:
-        self.agent = agent
+    def __init__(self, daemon: CellDaemon) -> None:
+        self.daemon = daemon
 
     def SetRole(self, request: pb.SetRoleRequest, context: grpc.ServicerContext) -> pb.SetRoleResponse:
-        if request.cell_id != self.agent.cell_id:
-            raise InvalidArgument(f"this agent serves cell {self.agent.cell_id!r}, not {request.cell_id!r}")
+        if request.cell_id != self.daemon.cell_id:
+            raise InvalidArgument(f"this daemon serves cell {self.daemon.cell_id!r}, not {request.cell_id!r}")
         role = enum_value(ROLE_FROM_PB, request.role, "role", "ROLLOUT or TRAIN")
-        now, took = self.agent.set_role(role, request.switch_id, job_id=request.job_id,  # type: ignore[arg-type]
+        now, took = self.daemon.set_role(role, request.switch_id, job_id=request.job_id,  # type: ignore[arg-type]
                                         step=request.step, weight_version=request.weight_version)
         return pb.SetRoleResponse(role=ROLE_TO_PB[now], duration_s=took)
 
     def GetRole(self, request: pb.GetRoleRequest, context: grpc.ServicerContext) -> pb.GetRoleResponse:
-        return pb.GetRoleResponse(cell_id=self.agent.cell_id, role=ROLE_TO_PB[self.agent.role],
-                                  last_switch_id=self.agent.last_switch_id)
+        return pb.GetRoleResponse(cell_id=self.daemon.cell_id, role=ROLE_TO_PB[self.daemon.role],
+                                  last_switch_id=self.daemon.last_switch_id)
 
 
-AGENT_SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["CellAgent"].full_name
+# CellAgent: CellDaemon's former name, served beside it for schedulers of 0.x
+DAEMON_SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("CellDaemon", "CellAgent")]

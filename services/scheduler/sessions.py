@@ -1,7 +1,7 @@
 """Session base URLs: one unguessable token per agent of a leased execution, in Redis.
 
 An unmodified harness knows only a base URL (``OPENAI_BASE_URL``). The scheduler mints a session
-for the main agent of every lease, and ``Worker.MintSession`` mints more (sub-agents, summaries);
+for the main agent of every lease, and ``Harnesses.MintSession`` mints more (sub-agents, summaries);
 the gateway's HTTP endpoint serves ``/s/<token>/v1/...`` and records each call under the
 session's job, execution, agent, role and lease attempt, whatever headers the client sends.
 

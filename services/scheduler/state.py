@@ -15,7 +15,8 @@ Key layout (prefix ``gyre:sched:``)::
     job:{job}:running         SET   leased execution ids
     job:{job}:events          STREAM  the job's event log (WatchJob reads it; ids resume a watch)
     exec:{execution}          HASH  job_id, step, group_id, payload, state, attempt, token,
-                                    lease_expires_ms, deadline_ms, worker_id, completion_token, ...
+                                    lease_expires_ms, deadline_ms, harness_id (worker_id when a
+                                    scheduler of 0.x leased it), completion_token, ...
                                     (expires ``retention_s`` after it ends)
     leases                    ZSET  execution_id -> lease_expires_ms (all jobs; the reaper's index)
     score_outbox              HASH  execution_id -> {job_id, step, group_id} JSON: executions whose
@@ -46,7 +47,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,12 @@ def _s(v: bytes | str | None, default: str = "") -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _holder(h: Mapping[bytes, bytes]) -> str:
+    """The harness id an execution hash names: ``harness_id``, or ``worker_id`` (its name before the
+    rename) in a lease a scheduler of 0.x took, so leases survive an upgrade in place."""
+    return _s(h.get(b"harness_id") or h.get(b"worker_id"))
+
+
 def _i(v: bytes | str | int | None, default: int = 0) -> int:
     if v is None or v == b"" or v == "":
         return default
@@ -175,7 +182,7 @@ class SchedulerState:
         self.event_maxlen = event_maxlen
         self.retention_ms = int(retention_s * 1000)
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in (
-            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "ENQUEUE_EVAL", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES", "RELEASE_WORKER",
+            "SUBMIT_JOB", "SET_JOB_STATE", "ENQUEUE_STEP", "ENQUEUE_EVAL", "LEASE", "HEARTBEAT", "COMPLETE", "REAP", "GRACE_LEASES", "RELEASE_HARNESS",
             "CANCEL_JOB", "REPORT_TRAINING", "REGISTER_CELL", "CELL_HEARTBEAT", "DEREGISTER_CELL",
             "BEGIN_SWITCH", "END_SWITCH", "CORDON_CELL", "JOB_SNAPSHOT", "ACQUIRE_LEADER", "RELEASE_LEADER")}
 
@@ -364,24 +371,24 @@ class SchedulerState:
 
     # ---------------------------------------------------------------- executions
 
-    def lease(self, job_ids: Sequence[str], worker_id: str, ttl_s: float, *, strict: bool = False,
+    def lease(self, job_ids: Sequence[str], harness_id: str, ttl_s: float, *, strict: bool = False,
               request_id: str = "") -> Lease | None:
         """Lease the lowest-step queued execution of the first job in ``job_ids`` that has one.
 
         ``strict``: raise NotFound for a job that does not exist and FailedPrecondition for one that
         ended (a pending job just has nothing to lease yet). ``request_id``: a retried request gets
-        the lease its first attempt took, while that is still leased to ``worker_id``.
+        the lease its first attempt took, while that is still leased to ``harness_id``.
         """
         k = self.keys
         if request_id:
-            prior = self._prior_lease(request_id, worker_id, ttl_s)
+            prior = self._prior_lease(request_id, harness_id, ttl_s)
             if prior is not None:
                 return prior
         for jid in job_ids:
             token = secrets.token_hex(12)
             now = self.now_ms()
             res = self._run("LEASE", [k.job(jid), k.queue(jid), k.running(jid), k.leases],
-                            [k.exec_prefix, now, int(ttl_s * 1000), token, worker_id,
+                            [k.exec_prefix, now, int(ttl_s * 1000), token, harness_id,
                              k.lease_request(request_id) if request_id else ""])
             if res[0] != 1:
                 if strict and res[0] == -1:
@@ -396,12 +403,12 @@ class SchedulerState:
                          evaluation=bool(_s(round_)))
         return None
 
-    def _prior_lease(self, request_id: str, worker_id: str, ttl_s: float) -> Lease | None:
+    def _prior_lease(self, request_id: str, harness_id: str, ttl_s: float) -> Lease | None:
         eid = self.r.get(self.keys.lease_request(request_id))
         if eid is None:
             return None
         h = self.r.hgetall(self.keys.execution(_s(eid)))
-        if _s(h.get(b"state")) != "leased" or _s(h.get(b"worker_id")) != worker_id:
+        if _s(h.get(b"state")) != "leased" or _holder(h) != harness_id:
             return None  # it ended, expired or went to someone else since: lease afresh
         jid = _s(h.get(b"job_id")) or self._exec_job(_s(eid))
         return Lease(execution_id=_s(eid), job_id=jid, step=_i(h.get(b"step")), group_id=_s(h.get(b"group_id")),
@@ -493,11 +500,11 @@ class SchedulerState:
                                      f"or its lease expired and it was leased again); state is {_s(st)}")
         return _s(jid), _i(attempt), bool(_s(round_))
 
-    def release_worker(self, worker_id: str) -> list[str]:
-        """End every lease ``worker_id`` holds now (a restarted worker's predecessor died holding
+    def release_harness(self, harness_id: str) -> list[str]:
+        """End every lease ``harness_id`` holds now (a restarted harness's predecessor died holding
         them); the reaper re-queues them on its next pass. Returns their execution ids."""
-        return [_s(e) for e in self._run("RELEASE_WORKER", [self.keys.leases],
-                                         [self.keys.exec_prefix, worker_id, self.now_ms()])]
+        return [_s(e) for e in self._run("RELEASE_HARNESS", [self.keys.leases],
+                                         [self.keys.exec_prefix, harness_id, self.now_ms()])]
 
     def execution(self, execution_id_: str) -> ExecutionRecord:
         h = self.r.hgetall(self.keys.execution(execution_id_))
@@ -506,7 +513,7 @@ class SchedulerState:
         return ExecutionRecord(
             execution_id=execution_id_, job_id=_s(h.get(b"job_id")), step=_i(h.get(b"step")),
             group_id=_s(h.get(b"group_id")), state=ExecState(_s(h.get(b"state"))), attempt=_i(h.get(b"attempt")),
-            worker_id=_s(h.get(b"worker_id")), deadline_s=_i(h.get(b"deadline_ms")) / 1000,
+            harness_id=_holder(h), deadline_s=_i(h.get(b"deadline_ms")) / 1000,
             lease_expires_s=_i(h.get(b"lease_expires_ms")) / 1000, reason=_s(h.get(b"reason")))
 
     # ---------------------------------------------------------------- cells

@@ -145,7 +145,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if not request.cell_id or request.wait_s < 0:
             raise InvalidArgument("AddReplica needs cell_id and wait_s >= 0")
         if self.replicas is None and not request.hosted:
-            raise FailedPrecondition("this trainer does not start replica processes (cell agents do)")
+            raise FailedPrecondition("this trainer does not start replica processes (cell daemons do)")
         self._membership()  # a job runs here
         phase = self.core.status().get("phase")
         if phase in ("done", "failed", "stopped"):
@@ -171,7 +171,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         raise FailedPrecondition(f"replica for cell {request.cell_id!r} did not join within {request.wait_s or 120.0}s")
 
     def _await_hosted(self, cell_id: str, wait_s: float) -> trainer_pb2.AddReplicaResponse:
-        """A replica another process started for ``cell_id`` (its cell agent, on the cell's host):
+        """A replica another process started for ``cell_id`` (its cell daemon, on the cell's host):
         wait until it has joined a step (a member of that cell that has not left)."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -179,8 +179,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 if mem["cell_id"] == cell_id and not (mem["left"] or mem["evicted"]):
                     return trainer_pb2.AddReplicaResponse(replica_id=str(mem["replica_id"]), step=int(mem["step"]))
             time.sleep(0.05)
-        raise FailedPrecondition(f"no replica of cell {cell_id!r} joined within {wait_s:g}s (the cell's agent "
-                                 f"starts it with its train_command; see that agent's log)")
+        raise FailedPrecondition(f"no replica of cell {cell_id!r} joined within {wait_s:g}s (the cell's daemon "
+                                 f"starts it with its train_command; see that daemon's log)")
 
     def ReleaseReplica(self, request: trainer_pb2.ReleaseReplicaRequest,
                        context: Any) -> trainer_pb2.ReleaseReplicaResponse:
@@ -196,7 +196,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise NotFound(f"no replica runs on cell {request.cell_id!r}")
         membership.release(replica_id)
         released = False
-        # Only a process this core started can be awaited here; a cell agent awaits its own.
+        # Only a process this core started can be awaited here; a cell daemon awaits its own.
         if request.wait_s > 0 and self.replicas is not None and request.cell_id \
                 and self.replicas.replica_of(request.cell_id) == replica_id:
             # Now, not after the step: the step it sits in may be waiting for rollouts that need

@@ -2,7 +2,7 @@
 
 On a single host (``gyre up``, the services actuator) the core itself starts
 ``python -m services.trainer.main --replica --core <self> --cell-id X`` for a freed cell and
-reports when the replica has joined a step; with cell agents, the agent runs the same command
+reports when the replica has joined a step; with cell daemons, the daemon runs the same command
 on the cell's host instead. Idempotent per switch id (a retried switch returns the same replica).
 
 Most replicas come from a *pool*: a pooled process does its imports and runs a model once, then

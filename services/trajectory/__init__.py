@@ -11,7 +11,7 @@ Who calls what (``client.TrajectoryClient``; contract in protos/gyre/v1/trajecto
 Core modules (no gRPC): ``records`` (domain records, JSONL, DeltaEncoder), ``trie`` (flat-array
 token trie), ``tree`` (per-execution tree: trainable nodes, path selection, DFS layout),
 ``advantages`` (GRPO), ``packing`` (PackedBatch, subtree splitting, micro-batches), ``steps``
-(step work queue), ``store`` (Redis index + blob spool), ``core`` (the service logic).
+(step work queue), ``store`` (Redis index + blob spool), ``api`` (the service logic, ``TrajectoryApi``).
 Adapters: ``wire`` (proto <-> domain), ``servicer``, ``client``; entry points: ``main``
 (``python -m services.trajectory.main``) and ``cli`` (``gyre trajectory stats``).
 Benchmark: ``python -m bench.bench_trajectory``.

@@ -1,4 +1,4 @@
-"""gRPC adapter of the trajectory service: proto -> domain (``wire``) -> ``TrajectoryCore`` -> proto.
+"""gRPC adapter of the trajectory service: proto -> domain (``wire``) -> ``TrajectoryApi`` -> proto.
 
 Errors are raised as domain errors (``services.common.errors``) / ``ValueError`` and mapped to
 status codes by the common server interceptor. ``to_proto``/``from_proto`` (PackedBatch, arrays
@@ -14,7 +14,7 @@ import grpc
 
 from protos.gyre.v1 import common_pb2, trajectory_pb2, trajectory_pb2_grpc
 from services.common.errors import InvalidArgument
-from services.trajectory.core import ExecutionView, TrajectoryCore
+from services.trajectory.api import ExecutionView, TrajectoryApi
 from services.trajectory.records import TitoCall
 from services.trajectory.wire import from_proto, outcome_from_proto, plan_to_proto, record_from_proto, to_proto
 
@@ -46,18 +46,18 @@ class _Records:
 
 # ----------------------------------------------------------------------------- servicer
 class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
-    def __init__(self, core: TrajectoryCore) -> None:
-        self.core = core
+    def __init__(self, api: TrajectoryApi) -> None:
+        self.api = api
 
     def IngestRecords(self, request_iterator: Iterable[common_pb2.TitoRecord],
                       context: grpc.ServicerContext) -> trajectory_pb2.IngestSummary:
-        s = self.core.ingest(_Records(request_iterator))
+        s = self.api.ingest(_Records(request_iterator))
         return trajectory_pb2.IngestSummary(accepted=s.accepted, duplicates=s.duplicates, new_tokens=s.new_tokens,
                                             record_tokens=s.record_tokens, executions=s.executions)
 
     def CompleteExecution(self, request: common_pb2.ExecutionOutcome,
                           context: grpc.ServicerContext) -> trajectory_pb2.CompleteExecutionResponse:
-        duplicate, plan = self.core.complete(outcome_from_proto(request))
+        duplicate, plan = self.api.complete(outcome_from_proto(request))
         return trajectory_pb2.CompleteExecutionResponse(duplicate=duplicate, plan=plan_to_proto(plan))
 
     def GetExecutionStats(self, request: trajectory_pb2.GetExecutionStatsRequest,
@@ -66,23 +66,23 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
             raise InvalidArgument("execution_id is required")
         if request.max_paths < 0:
             raise InvalidArgument(f"max_paths {request.max_paths} must be >= 0 (0 = the configured cap)")
-        return stats_to_proto(self.core.execution_stats(request.job_id, request.execution_id, request.max_paths))
+        return stats_to_proto(self.api.execution_stats(request.job_id, request.execution_id, request.max_paths))
 
     def OpenStep(self, request: trajectory_pb2.OpenStepRequest, context: grpc.ServicerContext) -> trajectory_pb2.StepPlan:
-        return plan_to_proto(self.core.open_step(
+        return plan_to_proto(self.api.open_step(
             request.job_id, request.step, num_executions=request.num_executions, group_size=request.group_size,
             token_budget=request.token_budget, normalize_advantages=request.normalize_advantages,
             advantage_eps=request.advantage_eps))
 
     def CloseStep(self, request: trajectory_pb2.StepRef, context: grpc.ServicerContext) -> trajectory_pb2.StepPlan:
-        return plan_to_proto(self.core.close_step(request.job_id, request.step))
+        return plan_to_proto(self.api.close_step(request.job_id, request.step))
 
     def GetStepPlan(self, request: trajectory_pb2.StepRef, context: grpc.ServicerContext) -> trajectory_pb2.StepPlan:
-        return plan_to_proto(self.core.plan(request.job_id, request.step))
+        return plan_to_proto(self.api.plan(request.job_id, request.step))
 
     def StreamBatches(self, request: trajectory_pb2.StreamBatchesRequest,
                       context: grpc.ServicerContext) -> Iterator[trajectory_pb2.PackedBatch]:
-        batches = self.core.stream(request.job_id, request.step, request.consumer_id, request.token_budget,
+        batches = self.api.stream(request.job_id, request.step, request.consumer_id, request.token_budget,
                                    is_active=context.is_active)
         try:
             for meta, batch, denom in batches:
@@ -97,12 +97,12 @@ class TrajectoryServicer(trajectory_pb2_grpc.TrajectoryServicer):
             raise InvalidArgument(f"step {request.step} must be >= 0")
         if any(not c or len(c) > 256 for c in request.reopen_consumer_ids):
             raise InvalidArgument("reopen_consumer_ids must be non-empty ids of at most 256 characters")
-        n, plan = self.core.settle(request.job_id, request.step, request.reopen_consumer_ids)
+        n, plan = self.api.settle(request.job_id, request.step, request.reopen_consumer_ids)
         return trajectory_pb2.SettleStepResponse(reopened=n, plan=plan_to_proto(plan))
 
     def AckBatch(self, request: trajectory_pb2.AckBatchRequest,
                  context: grpc.ServicerContext) -> trajectory_pb2.AckBatchResponse:
         if not request.batch_id or not request.consumer_id:
             raise InvalidArgument("batch_id and consumer_id are required")
-        fresh, plan = self.core.ack(request.job_id, request.step, request.batch_id, request.consumer_id)
+        fresh, plan = self.api.ack(request.job_id, request.step, request.batch_id, request.consumer_id)
         return trajectory_pb2.AckBatchResponse(acknowledged=fresh, plan=plan_to_proto(plan))

@@ -5,7 +5,7 @@ with its own command on its own address; the job goes on and completes. Checked 
 job completes with every step published once and in order (final weight version = steps), every
 execution of every step ended exactly once, no TITO record of the job was refused by trajectory
 (an execution leased again after a crash starts over: its records supersede the earlier
-attempt's), and the killed process was restarted and serves again: the restarted cell agent's cell switches
+attempt's), and the killed process was restarted and serves again: the restarted cell daemon's cell switches
 again while the job runs (`gyre cordon` of it, or of the other cell, makes the policy move it),
 the restarted harness gave up its predecessor's leases at once, the restarted scheduler took its
 own leadership back. A joined trainer replica (a freed cell's process, started by the trainer core, not
@@ -111,7 +111,7 @@ def _joined_replica(data: Path, watch_done: Callable[[], bool]) -> tuple[str, in
         while not watch_done():
             status = trainer.status()
             for r in status.replicas:
-                # the core's own replicas (warm ones too) carry their pid; a cell agent's: by argv
+                # the core's own replicas (warm ones too) carry their pid; a cell daemon's: by argv
                 busy = not (r.left or r.evicted) and r.step == status.step and status.phase == "training"
                 pid = (r.pid or _pid_of_replica(r.replica_id)) if busy else None
                 if pid is None:
@@ -163,11 +163,11 @@ def _cordon_a_rollout_cell(data: Path) -> str:
 
 
 def _switches_again(data: Path, before: int, job_id: str) -> None:
-    """Once cell-1's agent is back, make the policy switch cell-1, whatever role it holds: rolling
+    """Once cell-1's daemon is back, make the policy switch cell-1, whatever role it holds: rolling
     out, it is cordoned (drained to training); training, the other cell is cordoned (cell-1 must come
     back to roll out). Waits until the registry shows cell-1 in its new role. The policy moves cells
     only for a running job: should the test's job end first (its last step may be training by the
-    time the agent is back), a second job is submitted to drive the switch, and waited for."""
+    time the daemon is back), a second job is submitted to drive the switch, and waited for."""
     from services.scheduler.client import SchedulerClient
 
     _restarted(data, "cell-1", before)
@@ -280,8 +280,8 @@ def test_sigkill_of_one_process_mid_job_costs_nothing(stack: Path, victim: str, 
                      .splitlines() if line.startswith("{")]
     if victim == "cell-1":
         assert not [c for c in json.loads(gyre(stack, "cells", "--json").stdout) if c["cordoned"]]
-    if victim == "harness":  # the restarted harness (same worker id) gave up what its predecessor held
-        released = [r for r in scheduler_log if r.get("event") == "worker leases released"]
+    if victim == "harness":  # the restarted harness (same harness id) gave up what its predecessor held
+        released = [r for r in scheduler_log if r.get("event") == "harness leases released"]
         assert released and any(job_id in e for r in released for e in r["executions"]), released
     if victim == "scheduler":  # the restarted scheduler is the same instance: it led again without a lock wait
         leading = [r["instance_id"] for r in scheduler_log if r.get("event") == "leading"]

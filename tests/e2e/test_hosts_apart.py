@@ -3,14 +3,14 @@
 The test builds its own network: a bridge in the root namespace (the "client" host, where `gyre`
 runs) and three namespaces on it, each with its own address on a veth pair:
 
-    A  10.x.y.1   redis-server (AOF), trajectory, reward, scheduler, trainer core + core cell agent
-    B  10.x.y.2   engine cell-1 + its cell agent, the built-in harness worker
-    C  10.x.y.3   gateway, engine cell-2 + its cell agent
+    A  10.x.y.1   redis-server (AOF), trajectory, reward, scheduler, trainer core + core cell daemon
+    B  10.x.y.2   engine cell-1 + its cell daemon, the built-in harness worker
+    C  10.x.y.3   gateway, engine cell-2 + its cell daemon
 
 Every Gyre process is started with the ExecStart line of its unit in deploy/systemd (variables
 from a gyre.env and per-cell engine env files as in the examples, ``%i`` the cell), under
 ``ip netns exec``; the config is deploy/config/systemd.toml with its directories moved under the
-test's tmp dir. Each namespace has its own spool directory. The rollout cells' agents have a
+test's tmp dir. Each namespace has its own spool directory. The rollout cells' daemons have a
 ``train_command``, so a cell that switches to TRAIN runs its trainer replica on its own "host"
 and that replica joins the core in namespace A over gloo; drains migrate in-flight requests (with
 their KV cache, over UCX) between the engines in B and C. An operator cordons a busy rollout cell
@@ -238,7 +238,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
         "GYRE_TORCH_THREADS": "1", "CORE_CELL_ID": "cell-0",
         # the checkpoints live on the trainer's host (A); the scheduler names the directory
         "GYRE_SCHEDULER_CHECKPOINT_DIR": str(root / "a" / "checkpoints"),
-        "GYRE_CELL_AGENT_HEARTBEAT_INTERVAL_S": "1", "GYRE_TEST_CONFIG": str(config),
+        "GYRE_CELL_DAEMON_HEARTBEAT_INTERVAL_S": "1", "GYRE_TEST_CONFIG": str(config),
     }
     # credentials and TLS as deployed: `gyre credentials` with every host's address in the node
     # certificate, and every credentials line of gyre.env.example (its directory moved here)
@@ -259,8 +259,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
             # UCX over its TCP transport, as on a fabric without RDMA: the namespaces share one
             # kernel, so UCX's shared-memory transports would take them for one host (and hang)
             "UCX_TLS": "tcp",
-            # the cell's agent runs the trainer replica on the cell's own host when it trains
-            "GYRE_CELL_AGENT_TRAIN_COMMAND": f"{PY} -m services.trainer.main --replica --core {a}:50053 "
+            # the cell's daemon runs the trainer replica on the cell's own host when it trains
+            "GYRE_CELL_DAEMON_TRAIN_COMMAND": f"{PY} -m services.trainer.main --replica --core {a}:50053 "
                                              "--cell-id {cell_id} --replica-id {cell_id}-{switch_id} "
                                              "--replica-threads 1"}
         for h in "bc"}
@@ -291,10 +291,10 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts, dic
         _wait_ready(f"{c}:50060", hosts)
         hosts.start("scheduler", "a", unit_argv("gyre-scheduler.service", per_host["a"]), per_host["a"])
         _wait_ready(f"{a}:50050", hosts)
-        hosts.start("cell-0", "a", unit_argv("gyre-core-agent.service", per_host["a"]), per_host["a"])
+        hosts.start("cell-0", "a", unit_argv("gyre-core-daemon.service", per_host["a"]), per_host["a"])
         for h, cell in (("b", "cell-1"), ("c", "cell-2")):
             e = {**per_host[h], **engine_env[h]}
-            hosts.start(f"agent-{cell}", h, unit_argv("gyre-cell-agent@.service", e, cell), e)
+            hosts.start(f"daemon-{cell}", h, unit_argv("gyre-cell-daemon@.service", e, cell), e)
         hosts.start("harness", "b", [PY, "-m", "services.harness", "--config", str(config), "--scheduler",
                                      f"{a}:50050", "--gateway", f"{c}:50060", "--reward", f"{a}:50052",
                                      "--model-dir", str(resolve_model("builtin-tiny")), "--concurrency", "4", "--call-retries", "60"],
@@ -435,7 +435,7 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     # While a cordoned cell's replica starts, the harness worker is stopped (SIGSTOP): the job's
     # executions cannot finish its steps before that replica joined one, however slow the host is to
     # start a trainer process (a wait on a condition; the 45 s cap stays inside the 60 s lease TTL)
-    paused: list[Any] = []  # [cell, its agent log's length at the cordon, monotonic at the pause]
+    paused: list[Any] = []  # [cell, its daemon log's length at the cordon, monotonic at the pause]
     sched = SchedulerClient(addr["scheduler"])  # one channel (one TLS handshake) for the whole watch
     try:
         deadline = time.monotonic() + 1000
@@ -443,11 +443,11 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
             procs.check_alive()
             assert time.monotonic() < deadline, "the job did not end"
             if paused and (paused[0] != cordoned or time.monotonic() - paused[2] > 45
-                           or '"replica ready"' in procs.log(f"agent-{paused[0]}")[paused[1]:]):
+                           or '"replica ready"' in procs.log(f"daemon-{paused[0]}")[paused[1]:]):
                 procs.resume("harness")
                 paused = []
             if not cordoned and attempts < 6:
-                seen = {c: len(procs.log(f"agent-{c}")) for c in ("cell-1", "cell-2")}
+                seen = {c: len(procs.log(f"daemon-{c}")) for c in ("cell-1", "cell-2")}
                 cordoned = _cordon_a_busy_cell(sched, job_id, cli, operator)
                 attempts, cordoned_at = attempts + bool(cordoned), time.time()
                 if cordoned and not paused:
@@ -486,13 +486,13 @@ def test_elastic_job_across_three_hosts(hosts: tuple[Hosts, dict[str, str]]) -> 
     # a replica on a rollout cell's own host (B or C) all-reduced a step with the core (in A)
     joined = []
     for cell in ("cell-1", "cell-2"):
-        for line in procs.log(f"agent-{cell}").splitlines():
+        for line in procs.log(f"daemon-{cell}").splitlines():
             if '"replica step done"' in line:
                 rec = json.loads(line)
                 if int(rec.get("world", 0)) >= 2:
                     joined.append((cell, rec.get("step"), rec.get("world")))
     replica_lines = [(cell, rec.get("event"), rec.get("step"), rec.get("world"), rec.get("timestamp"))
-                     for cell in ("cell-1", "cell-2") for line in procs.log(f"agent-{cell}").splitlines()
+                     for cell in ("cell-1", "cell-2") for line in procs.log(f"daemon-{cell}").splitlines()
                      if '"services.trainer.replica"' in line for rec in [json.loads(line)]]
     switches = [(e["kind"], e.get("cell_id"), e.get("to"), str(e.get("error", ""))[:200]) for e in events
                 if e["kind"].startswith("switch") or e["kind"] == "migration"]

@@ -51,7 +51,7 @@ def stack(tmp_path: Path, redis_url: str) -> Iterator[dict[str, ServiceProcess]]
             "entry_point:tests.support.harness_scorer:fraction_done", "--scorer-paths", str(REPO / "tests")])
         procs["reward"].wait_ready(timeout_s=60)
         procs["scheduler"] = ServiceProcess.start("scheduler", "services.scheduler.main", tmp_path, [
-            *common, "--actuator", "agent", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",
+            *common, "--actuator", "daemon", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",
             "--lease-ttl-s", str(LEASE_TTL_S), "--reward-address", procs["reward"].address])
         for p in procs.values():
             p.wait_ready(timeout_s=60)

@@ -36,7 +36,7 @@ LEASE_TTL_S = 4.0
 def services(redis_server: RedisServer, tmp_path: Path) -> Iterator[dict[str, ServiceProcess]]:
     procs = {
         "scheduler": ServiceProcess.start("scheduler", "services.scheduler.main", tmp_path, [
-            "--redis-url", redis_server.url, "--actuator", "agent", "--tick-interval-s", "0.1",
+            "--redis-url", redis_server.url, "--actuator", "daemon", "--tick-interval-s", "0.1",
             "--leader-ttl-s", "1.0", "--lease-ttl-s", str(LEASE_TTL_S), "--grace-s", "1"]),
         "trajectory": ServiceProcess.start("trajectory", "services.trajectory.main", tmp_path, [
             "--redis-url", redis_server.url, "--spool-dir", str(tmp_path / "spool"), "--grace-s", "1"]),

@@ -112,10 +112,10 @@ def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path, monkeypatch
     pool join it) right after publishing: the release must not wait for that step's end, whose
     batches only these cells can produce.
 
-    The cell agents heartbeat every 6 s here, so when a step's rollouts end the cells' reported
+    The cell daemons heartbeat every 6 s here, so when a step's rollouts end the cells' reported
     in-flight counts are still those of the calls just finished (what a loaded CI machine made
     happen by chance): the whole pool must move on the job's own counters, not on those."""
-    monkeypatch.setenv("GYRE_CELL_AGENT_HEARTBEAT_INTERVAL_S", "6")
+    monkeypatch.setenv("GYRE_CELL_DAEMON_HEARTBEAT_INTERVAL_S", "6")
     cfg = RunConfig(engines=2, harness_concurrency=8, time_budget_s=500, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
     spec = load_job(TASK_FILES["xlong"][0], [*SMALL_TASKS, "--mode", "colocate", "--staleness_bound", "0",

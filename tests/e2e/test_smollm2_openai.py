@@ -312,7 +312,7 @@ def test_anthropic_sdk_messages_with_tools_and_streaming_is_one_path(stack: Stac
         client.messages.create(model="claude-opus", max_tokens=4, messages=messages[:1])
 
 
-def _leased_session(sched: Any, job_id: str, worker_id: str) -> Any:
+def _leased_session(sched: Any, job_id: str, harness_id: str) -> Any:
     """A one-execution job on ``sched``, admitted, and its lease (which carries a session base URL)."""
     from services.scheduler.jobs import Mode, TaskSource
     from services.scheduler.orchestrator import Orchestrator
@@ -325,7 +325,7 @@ def _leased_session(sched: Any, job_id: str, worker_id: str) -> Any:
     sched.client.submit_job(job_spec(job_id, num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
                                      tasks=TaskSource(payloads=(b"weather",))))
     assert Orchestrator(sched.state, NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
-    lease = sched.client.lease(worker_id, job_id=job_id)
+    lease = sched.client.lease(harness_id, job_id=job_id)
     assert lease is not None and lease.session_base_url
     return lease
 

@@ -1,5 +1,5 @@
 """Helpers of the scheduler's service tests: an in-process server, and real subprocesses
-(scheduler, cell agents) started the way the launcher starts them."""
+(scheduler, cell daemons) started the way the launcher starts them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from services.scheduler.state import SchedulerState
 from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-__all__ = ["InProcess", "Proc", "in_process_scheduler", "job_spec", "start_agent", "start_scheduler", "wait_until"]
+__all__ = ["InProcess", "Proc", "in_process_scheduler", "job_spec", "start_daemon", "start_scheduler", "wait_until"]
 
 
 @dataclass
@@ -104,15 +104,15 @@ class Proc:
 
 def start_scheduler(redis_url: str, workdir: Path, *extra: str, name: str = "scheduler") -> Proc:
     p = Proc("services.scheduler.main",
-             ["--redis-url", redis_url, "--actuator", "agent", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",
+             ["--redis-url", redis_url, "--actuator", "daemon", "--tick-interval-s", "0.1", "--leader-ttl-s", "1.0",
               "--grace-s", "1", *extra], workdir, name)
     p.wait_port()
     return p
 
 
-def start_agent(scheduler_address: str, workdir: Path, cell_id: str, *extra: str) -> Proc:
-    p = Proc("services.scheduler.agent_main",
+def start_daemon(scheduler_address: str, workdir: Path, cell_id: str, *extra: str) -> Proc:
+    p = Proc("services.scheduler.daemon_main",
              ["--scheduler-address", scheduler_address, "--cell-id", cell_id, "--heartbeat-interval-s", "0.2",
-              "--grace-s", "1", *extra], workdir, f"agent-{cell_id}")
+              "--grace-s", "1", *extra], workdir, f"daemon-{cell_id}")
     p.wait_port()
     return p

@@ -96,11 +96,11 @@ def test_harness_runs_executions_with_compaction_subagents_and_retries(stack: di
     # The orchestrator enqueues the step's executions (no cells are registered: no switches).
     orch = Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600)
     assert orch.tick()
-    # this worker id's predecessor died holding a lease (its TTL is 30 s): the harness gives it up first
+    # this harness id's predecessor died holding a lease (its TTL is 30 s): the harness gives it up first
     dead = sched.client.lease("hj-harness", job_id="hj")
     assert dead is not None
     cfg = HarnessConfig(scheduler=sched.server.address, gateway=gw.address, reward=stack["reward"], concurrency=2,
-                        job_id="hj", worker_id="hj-harness", lease_wait_s=0.5, max_executions=4, context_limit_tokens=96,
+                        job_id="hj", harness_id="hj-harness", lease_wait_s=0.5, max_executions=4, context_limit_tokens=96,
                         delegate_every=2, fix_turns=1, retries=1, temperature=1.0, log_json=False)
     from services.rollout.client import GatewayClient
     from services.scheduler.client import SchedulerClient
@@ -198,7 +198,7 @@ def _explode(harness: Harness, lease: object, task_id: str, **_kw: object) -> ob
 
 def test_a_runner_that_raises_ends_its_execution_as_failed(stack: dict) -> None:
     """A fault barrier: an unexpected error in a family's runner (a third-party loop's own
-    exception) ends that execution as failed with the reason, and the worker goes on leasing; it
+    exception) ends that execution as failed with the reason, and the harness goes on leasing; it
     must not die while its heartbeat renews the lease forever (which stalled a job)."""
     import json
 

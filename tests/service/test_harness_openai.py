@@ -139,8 +139,8 @@ def test_an_unmodified_client_with_only_a_session_base_url_is_recorded_under_its
         sched.client.mint_session(lease.execution_id, "forged", agent_id="sub-2", role="subagent")
     with pytest.raises(InvalidArgument, match="role"):
         sched.client.mint_session(lease.execution_id, lease.lease_token, agent_id="sub-2", role="boss")
-    # its worker restarts: the lease is given up and the execution leased again (attempt 2, new sessions)
-    assert sched.client.release_worker("session-harness") == [lease.execution_id]
+    # its harness restarts: the lease is given up and the execution leased again (attempt 2, new sessions)
+    assert sched.client.release_harness("session-harness") == [lease.execution_id]
     Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
     with pytest.raises(openai.APIStatusError, match="runs again under a new session") as stale:
         ask(lease.session_base_url)

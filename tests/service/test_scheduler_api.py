@@ -205,7 +205,7 @@ def test_cells_register_heartbeat_list_deregister(sched: InProcess) -> None:
     assert cells["c1"].cell.inflight == 2 and cells["c1"].alive and cells["core"].cell.is_core
     cordoned = c.cordon_cell("c1", reason="host maintenance")
     assert cordoned.cordoned and cordoned.cordon_reason == "host maintenance"
-    # its agent restarting (registering again) keeps the operator's cordon
+    # its daemon restarting (registering again) keeps the operator's cordon
     assert not c.register_cell(cell_id="c1", address="127.0.0.1:3", role=CellRole.ROLLOUT, kv_capacity_tokens=4096)
     assert {i.cell.cell_id: i.cell.cordon_reason for i in c.list_cells()} == {"core": "", "c1": "host maintenance"}
     assert not c.cordon_cell("c1", cordoned=False).cordoned
@@ -273,8 +273,8 @@ def test_a_retried_lease_request_gets_the_same_lease(sched: InProcess) -> None:
         s.client.lease("w1", request_id="r" * 129)
 
 
-def test_a_restarted_worker_releases_its_predecessors_leases(redis_url: str) -> None:
-    """A worker restarted under a stable id gives up what its dead predecessor held: those
+def test_a_restarted_harness_releases_its_predecessors_leases(redis_url: str) -> None:
+    """A harness restarted under a stable id gives up what its dead predecessor held: those
     executions run again now, not after their lease TTL (300 s here); others' leases stay."""
     with in_process_scheduler(redis_url, lease_ttl_s=300.0) as s:
         s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=3))
@@ -283,8 +283,8 @@ def test_a_restarted_worker_releases_its_predecessors_leases(redis_url: str) -> 
         held = [s.client.lease("host-a:harness") for _ in range(2)]
         other = s.client.lease("host-b:harness")
         assert all(held) and other is not None
-        assert s.client.release_worker("nobody") == []
-        released = s.client.release_worker("host-a:harness", reason="restarted")
+        assert s.client.release_harness("nobody") == []
+        released = s.client.release_harness("host-a:harness", reason="restarted")
         assert sorted(released) == sorted(x.execution_id for x in held if x)
         orch.tick()  # the reaper re-queues them
         assert [s.client.get_execution(e).state for e in sorted(released)] == [ExecState.QUEUED] * 2
@@ -299,10 +299,10 @@ def test_a_restarted_worker_releases_its_predecessors_leases(redis_url: str) -> 
         # given up for good: neither a leader takeover's grace nor the old token's heartbeat revives it
         other_lease = s.client.lease("host-c:harness")
         assert other_lease is None  # nothing queued: the released ones are leased again above
-        assert s.client.release_worker("host-b:harness") == [other.execution_id]
+        assert s.client.release_harness("host-b:harness") == [other.execution_id]
         assert orchestrator(s).tick()  # a new instance takes the lead: grace for every lease but the released
         with pytest.raises(FailedPrecondition, match="not the current one"):
             s.client.heartbeat(other.execution_id, other.lease_token)
         assert s.client.get_execution(other.execution_id).state is ExecState.QUEUED
-        with pytest.raises(InvalidArgument, match="worker_id is required"):
-            s.client.release_worker("")
+        with pytest.raises(InvalidArgument, match="harness_id is required"):
+            s.client.release_harness("")

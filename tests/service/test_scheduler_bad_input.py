@@ -26,7 +26,7 @@ C = grpc.StatusCode
 class Stubs:
     def __init__(self, channel: grpc.Channel) -> None:
         self.sched = pbg.SchedulerStub(channel)
-        self.worker = pbg.WorkerStub(channel)
+        self.harnesses = pbg.HarnessesStub(channel)
         self.cells = pbg.CellsStub(channel)
 
 
@@ -176,46 +176,46 @@ CASES: list[Case] = [
         job_id="live", step=0, phase=pb.TRAINING_PHASE_PUBLISHED, weight_version=1)), C.FAILED_PRECONDITION,
      "0 of 2 executions ended"),
     # Worker
-    ("lease/no worker", lambda s, i: s.worker.LeaseExecution(pb.LeaseExecutionRequest()), C.INVALID_ARGUMENT,
-     "worker_id is required"),
-    ("lease/bad wait", lambda s, i: s.worker.LeaseExecution(pb.LeaseExecutionRequest(worker_id="w", wait_s=99)),
+    ("lease/no harness", lambda s, i: s.harnesses.LeaseExecution(pb.LeaseExecutionRequest()), C.INVALID_ARGUMENT,
+     "harness_id is required"),
+    ("lease/bad wait", lambda s, i: s.harnesses.LeaseExecution(pb.LeaseExecutionRequest(harness_id="w", wait_s=99)),
      C.INVALID_ARGUMENT, "wait_s"),
-    ("lease/unknown job", lambda s, i: s.worker.LeaseExecution(pb.LeaseExecutionRequest(worker_id="w",
+    ("lease/unknown job", lambda s, i: s.harnesses.LeaseExecution(pb.LeaseExecutionRequest(harness_id="w",
                                                                                          job_id="nope")),
      C.NOT_FOUND, "nope"),
-    ("lease/ended job", lambda s, i: s.worker.LeaseExecution(pb.LeaseExecutionRequest(worker_id="w",
+    ("lease/ended job", lambda s, i: s.harnesses.LeaseExecution(pb.LeaseExecutionRequest(harness_id="w",
                                                                                        job_id="done")),
      C.FAILED_PRECONDITION, "completed"),
-    ("mint/no execution", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(lease_token="t", agent_id="a",
+    ("mint/no execution", lambda s, i: s.harnesses.MintSession(pb.MintSessionRequest(lease_token="t", agent_id="a",
                                                                                    role="main")),
      C.INVALID_ARGUMENT, "execution_id is required"),
-    ("mint/no agent", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+    ("mint/no agent", lambda s, i: s.harnesses.MintSession(pb.MintSessionRequest(
         execution_id=i["exec"], lease_token=i["token"], role="subagent")), C.INVALID_ARGUMENT, "agent_id is required"),
-    ("mint/bad role", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+    ("mint/bad role", lambda s, i: s.harnesses.MintSession(pb.MintSessionRequest(
         execution_id=i["exec"], lease_token=i["token"], agent_id="a", role="boss")), C.INVALID_ARGUMENT, "role"),
-    ("mint/unknown", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+    ("mint/unknown", lambda s, i: s.harnesses.MintSession(pb.MintSessionRequest(
         execution_id="e", lease_token="t", agent_id="a", role="main")), C.NOT_FOUND, "does not exist"),
-    ("mint/stale", lambda s, i: s.worker.MintSession(pb.MintSessionRequest(
+    ("mint/stale", lambda s, i: s.harnesses.MintSession(pb.MintSessionRequest(
         execution_id=i["stale_exec"], lease_token=i["stale_token"], agent_id="a", role="summary")),
      C.FAILED_PRECONDITION, "not leased with this lease token"),
-    ("release/no worker", lambda s, i: s.worker.ReleaseWorker(pb.ReleaseWorkerRequest()), C.INVALID_ARGUMENT,
-     "worker_id is required"),
-    ("release/long worker", lambda s, i: s.worker.ReleaseWorker(pb.ReleaseWorkerRequest(worker_id="w" * 300)),
-     C.INVALID_ARGUMENT, "worker_id"),
-    ("heartbeat/no token", lambda s, i: s.worker.Heartbeat(pb.HeartbeatRequest(execution_id=i["exec"])),
+    ("release/no harness", lambda s, i: s.harnesses.ReleaseHarness(pb.ReleaseHarnessRequest()), C.INVALID_ARGUMENT,
+     "harness_id is required"),
+    ("release/long harness id", lambda s, i: s.harnesses.ReleaseHarness(pb.ReleaseHarnessRequest(harness_id="w" * 300)),
+     C.INVALID_ARGUMENT, "harness_id"),
+    ("heartbeat/no token", lambda s, i: s.harnesses.Heartbeat(pb.HeartbeatRequest(execution_id=i["exec"])),
      C.INVALID_ARGUMENT, "lease_token is required"),
-    ("heartbeat/unknown", lambda s, i: s.worker.Heartbeat(pb.HeartbeatRequest(execution_id="e", lease_token="t")),
+    ("heartbeat/unknown", lambda s, i: s.harnesses.Heartbeat(pb.HeartbeatRequest(execution_id="e", lease_token="t")),
      C.NOT_FOUND, "does not exist"),
-    ("heartbeat/stale", lambda s, i: s.worker.Heartbeat(pb.HeartbeatRequest(
+    ("heartbeat/stale", lambda s, i: s.harnesses.Heartbeat(pb.HeartbeatRequest(
         execution_id=i["stale_exec"], lease_token=i["stale_token"])), C.FAILED_PRECONDITION, "not the current one"),
-    ("complete/no status", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
+    ("complete/no status", lambda s, i: s.harnesses.CompleteExecution(pb.CompleteLeaseRequest(
         execution_id=i["exec"], lease_token=i["token"])), C.INVALID_ARGUMENT, "status"),
-    ("complete/no id", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
+    ("complete/no id", lambda s, i: s.harnesses.CompleteExecution(pb.CompleteLeaseRequest(
         lease_token="t", status=common_pb2.EXECUTION_STATUS_FINISHED)), C.INVALID_ARGUMENT, "execution_id"),
-    ("complete/unknown", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
+    ("complete/unknown", lambda s, i: s.harnesses.CompleteExecution(pb.CompleteLeaseRequest(
         execution_id="e", lease_token="t", status=common_pb2.EXECUTION_STATUS_FINISHED)), C.NOT_FOUND,
      "does not exist"),
-    ("complete/stale", lambda s, i: s.worker.CompleteExecution(pb.CompleteLeaseRequest(
+    ("complete/stale", lambda s, i: s.harnesses.CompleteExecution(pb.CompleteLeaseRequest(
         execution_id=i["stale_exec"], lease_token=i["stale_token"], status=common_pb2.EXECUTION_STATUS_FINISHED)),
      C.FAILED_PRECONDITION, "not the current one"),
     # Cells
@@ -307,7 +307,7 @@ def test_arbitrary_ids_get_a_client_error(env: tuple[InProcess, Stubs, dict[str,
     _s, stubs, _ids = env
     calls = [lambda: stubs.sched.GetJob(pb.GetJobRequest(job_id=a)),
              lambda: stubs.sched.GetExecution(pb.GetExecutionRequest(execution_id=a)),
-             lambda: stubs.worker.Heartbeat(pb.HeartbeatRequest(execution_id=a, lease_token=b)),
+             lambda: stubs.harnesses.Heartbeat(pb.HeartbeatRequest(execution_id=a, lease_token=b)),
              lambda: stubs.cells.CellHeartbeat(pb.CellHeartbeatRequest(cell_id=a)),
              lambda: list(stubs.sched.WatchJob(pb.WatchJobRequest(job_id="live", after_event_id=a)))]
     for call in calls:

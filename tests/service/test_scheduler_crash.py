@@ -1,7 +1,7 @@
 """Crash tests: kill -9 a real scheduler process mid-switch and mid-lease, restart it, check state.
 
-The scheduler runs as a subprocess (``services.scheduler.main``, agent actuator); cells are real
-cell-agent processes; harnesses are this test, over gRPC. Redis is the real one of the fixture.
+The scheduler runs as a subprocess (``services.scheduler.main``, daemon actuator); cells are real
+cell-daemon processes; harnesses are this test, over gRPC. Redis is the real one of the fixture.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import FailedPrecondition, GyreError
-from services.scheduler.client import CellAgentClient, SchedulerClient
+from services.scheduler.client import CellDaemonClient, SchedulerClient
 from services.scheduler.jobs import ExecState, JobState, Mode
 from services.common.roles import CellRole
-from tests.service.scheduler_support import Proc, job_spec, start_agent, start_scheduler, wait_until
+from tests.service.scheduler_support import Proc, job_spec, start_daemon, start_scheduler, wait_until
 
 
 @pytest.fixture
@@ -31,9 +31,9 @@ def test_kill_mid_switch_then_restart_completes_the_switch_once(redis_url: str, 
                                                                 procs: list[Proc]) -> None:
     sched = start_scheduler(redis_url, tmp_path)
     procs.append(sched)
-    procs.append(start_agent(sched.address, tmp_path, "core", "--role", "train", "--is-core"))
+    procs.append(start_daemon(sched.address, tmp_path, "core", "--role", "train", "--is-core"))
     # the switch takes 3 s on this cell, long enough to kill the scheduler in the middle of it
-    c1 = start_agent(sched.address, tmp_path, "c1", "--role", "rollout", "--switch-delay-s", "3",
+    c1 = start_daemon(sched.address, tmp_path, "c1", "--role", "rollout", "--switch-delay-s", "3",
                      "--rollout-command", "sleep 3600", "--train-command", "sleep 3600")
     procs.append(c1)
     client = SchedulerClient(sched.address, timeout_s=10)
@@ -64,9 +64,9 @@ def test_kill_mid_switch_then_restart_completes_the_switch_once(redis_url: str, 
     assert [e.kind for e in finished] == ["switch_finished"]
     assert finished[0].attrs["switch_id"] == pending.switch_id and int(finished[0].attrs["duration_ms"]) > 0
     assert state.pending_switches() == []
-    with CellAgentClient(c1.address, timeout_s=10) as agent:
-        _cell, role, last = agent.get_role()
-    assert role is CellRole.TRAIN and last == pending.switch_id  # the agent switched exactly once
+    with CellDaemonClient(c1.address, timeout_s=10) as daemon:
+        _cell, role, last = daemon.get_role()
+    assert role is CellRole.TRAIN and last == pending.switch_id  # the daemon switched exactly once
     # the job carries on: the update publishes, the restarted scheduler opens step 1 and the pool returns
     with SchedulerClient(sched2.address, timeout_s=10) as c2:
         c2.report_training("j1", 0, "published", 1)

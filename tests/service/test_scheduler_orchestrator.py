@@ -1,8 +1,8 @@
-"""The orchestrator against real Redis, a real scheduler server and real cell-agent processes.
+"""The orchestrator against real Redis, a real scheduler server and real cell-daemon processes.
 
-Cells are ``agent_main`` subprocesses that register over gRPC and run a real role process
+Cells are ``daemon_main`` subprocesses that register over gRPC and run a real role process
 (``sleep``) that is swapped on every switch; the orchestrator (in this process, ticked by the
-test) carries switches out through ``AgentActuator`` -> ``CellAgent.SetRole``. What remains for
+test) carries switches out through ``DaemonActuator`` -> ``CellDaemon.SetRole``. What remains for
 integration is the ``ServicesActuator`` path (gateway DrainEngine with KV migration, trainer
 AddReplica/ReleaseReplica), which needs the rollout and trainer services running.
 """
@@ -16,12 +16,12 @@ import pytest
 
 from services.common.errors import Unavailable
 from services.common.metrics import REGISTRY
-from services.scheduler.actuators import AgentActuator
-from services.scheduler.client import CellAgentClient
+from services.scheduler.actuators import DaemonActuator
+from services.scheduler.client import CellDaemonClient
 from services.scheduler.jobs import ExecState, JobState, Mode
 from services.common.roles import CellRole
 from services.scheduler.orchestrator import Orchestrator
-from tests.service.scheduler_support import InProcess, Proc, in_process_scheduler, job_spec, start_agent, wait_until
+from tests.service.scheduler_support import InProcess, Proc, in_process_scheduler, job_spec, start_daemon, wait_until
 
 SLEEP = "sleep 3600"
 
@@ -33,13 +33,13 @@ def sched(redis_url: str) -> Iterator[InProcess]:
 
 
 @pytest.fixture
-def agents(sched: InProcess, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Proc]]:
+def daemons(sched: InProcess, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Proc]]:
     """core (TRAIN) + c1, c2 in the role (and heartbeat interval) of ``request.param`` (default idle)."""
     role, beat = getattr(request, "param", ("idle", "0.2"))
-    procs = {"core": start_agent(sched.server.address, tmp_path, "core", "--role", "train", "--is-core",
+    procs = {"core": start_daemon(sched.server.address, tmp_path, "core", "--role", "train", "--is-core",
                                  "--train-command", SLEEP)}
     for cid in ("c1", "c2"):
-        procs[cid] = start_agent(sched.server.address, tmp_path, cid, "--role", role, "--kv-capacity-tokens", "4000",
+        procs[cid] = start_daemon(sched.server.address, tmp_path, cid, "--role", role, "--kv-capacity-tokens", "4000",
                                  "--rollout-command", SLEEP, "--train-command", SLEEP, "--heartbeat-interval-s", beat)
     keys = sched.state.keys
     wait_until(lambda: all(sched.state.r.hexists(keys.cell(c), "inflight") for c in procs),
@@ -53,8 +53,8 @@ def roles(s: InProcess) -> dict[str, CellRole]:
     return {i.cell.cell_id: i.cell.role for i in s.client.list_cells()}
 
 
-def agent_role(p: Proc) -> CellRole:
-    with CellAgentClient(p.address, timeout_s=10) as c:
+def daemon_role(p: Proc) -> CellRole:
+    with CellDaemonClient(p.address, timeout_s=10) as c:
         return c.get_role()[1]
 
 
@@ -67,14 +67,14 @@ def switch_count(frm: str, to: str) -> float:
     return REGISTRY.get_sample_value("gyre_scheduler_switch_seconds_count", {"from_role": frm, "to_role": to}) or 0.0
 
 
-def test_colocate_pool_alternates_through_real_agents(sched: InProcess, agents: dict[str, Proc]) -> None:
+def test_colocate_pool_alternates_through_real_daemons(sched: InProcess, daemons: dict[str, Proc]) -> None:
     s = sched
-    orch = Orchestrator(s.state, AgentActuator(), instance_id="t", metrics_event_interval_s=0.0)
+    orch = Orchestrator(s.state, DaemonActuator(), instance_id="t", metrics_event_interval_s=0.0)
     before = switch_count("rollout", "train")
     s.client.submit_job(job_spec(num_steps=2, groups_per_step=1, group_size=2, mode=Mode.COLOCATE))
     tick(orch)  # admit, enqueue step 0, idle cells -> ROLLOUT
     assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.ROLLOUT, "c2": CellRole.ROLLOUT}
-    assert agent_role(agents["c1"]) is CellRole.ROLLOUT
+    assert daemon_role(daemons["c1"]) is CellRole.ROLLOUT
 
     lease = s.client.lease("h", job_id="j1")
     assert lease is not None
@@ -86,7 +86,7 @@ def test_colocate_pool_alternates_through_real_agents(sched: InProcess, agents: 
     s.client.complete(last.execution_id, last.lease_token, ExecState.FINISHED)
     tick(orch)  # step rolled out: the pool joins training
     assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.TRAIN, "c2": CellRole.TRAIN}
-    assert agent_role(agents["c2"]) is CellRole.TRAIN
+    assert daemon_role(daemons["c2"]) is CellRole.TRAIN
 
     s.client.report_training("j1", 0, "published", 1)
     tick(orch)  # step 1 opens: back to ROLLOUT
@@ -101,11 +101,11 @@ def test_colocate_pool_alternates_through_real_agents(sched: InProcess, agents: 
     assert kinds.count("switch_started") == 6 and kinds.count("switch_finished") == 6 and "metrics" in kinds
 
 
-@pytest.mark.parametrize("agents", [("rollout", "3600")], indirect=True)
-def test_elastic_never_interrupts_a_busy_cell(sched: InProcess, agents: dict[str, Proc]) -> None:
+@pytest.mark.parametrize("daemons", [("rollout", "3600")], indirect=True)
+def test_elastic_never_interrupts_a_busy_cell(sched: InProcess, daemons: dict[str, Proc]) -> None:
     """Without a gateway nothing can migrate, so a busy rollout cell must stay until it is empty."""
     s = sched
-    orch = Orchestrator(s.state, AgentActuator(), instance_id="t", metrics_event_interval_s=3600)
+    orch = Orchestrator(s.state, DaemonActuator(), instance_id="t", metrics_event_interval_s=3600)
     s.client.submit_job(job_spec(num_steps=1, groups_per_step=4, group_size=1, mode=Mode.ELASTIC,
                                  staleness_bound=1, execution_kv_tokens=1000))
     tick(orch)
@@ -119,14 +119,14 @@ def test_elastic_never_interrupts_a_busy_cell(sched: InProcess, agents: dict[str
     s.client.complete(first.execution_id, first.lease_token, ExecState.FINISHED)
     s.client.cell_heartbeat("c1", role=CellRole.ROLLOUT, inflight=2, kv_used_tokens=2000, kv_capacity_tokens=4000)
     tick(orch)  # the policy frees c2 by migrating its execution to c1; no gateway -> refused, rolled back
-    assert roles(s)["c2"] is CellRole.ROLLOUT and agent_role(agents["c2"]) is CellRole.ROLLOUT
+    assert roles(s)["c2"] is CellRole.ROLLOUT and daemon_role(daemons["c2"]) is CellRole.ROLLOUT
     back = s.state.switch_log()[-1]
     assert back.kind == "switch_rolled_back" and "refusing to interrupt" in back.attrs["error"]
 
     s.client.cell_heartbeat("c2", role=CellRole.ROLLOUT, inflight=0, kv_used_tokens=0, kv_capacity_tokens=4000)
     tick(orch)  # c2 is empty now: it leaves without interrupting anything
     assert roles(s) == {"core": CellRole.TRAIN, "c1": CellRole.ROLLOUT, "c2": CellRole.TRAIN}
-    assert agent_role(agents["c2"]) is CellRole.TRAIN and agent_role(agents["core"]) is CellRole.TRAIN
+    assert daemon_role(daemons["c2"]) is CellRole.TRAIN and daemon_role(daemons["core"]) is CellRole.TRAIN
     assert s.client.get_job("j1").state is JobState.RUNNING
 
 
@@ -140,7 +140,7 @@ def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None
     s.state.begin_switch(cell_id="gone", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
     s.state.begin_switch(cell_id="stale", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
     s.state.r.hset(s.state.keys.cell("stale"), "switch_started_ms", 1000)  # this one started long ago
-    orch = Orchestrator(s.state, AgentActuator(timeout_s=5), instance_id="restarted", switch_timeout_s=60,
+    orch = Orchestrator(s.state, DaemonActuator(timeout_s=5), instance_id="restarted", switch_timeout_s=60,
                         metrics_event_interval_s=3600)
     orch.recover_switches()
     assert orch.wait_switches(30)
@@ -180,8 +180,8 @@ def test_a_migration_is_on_record_even_when_its_switch_fails_later(sched: InProc
     assert ended.kind == "switch_rolled_back" and "no new replicas" in ended.attrs["error"]
 
 
-@pytest.mark.parametrize("agents", [("rollout", "3600")], indirect=True)
-def test_no_switch_before_the_jobs_trainer_is_started(sched: InProcess, agents: dict[str, Proc]) -> None:
+@pytest.mark.parametrize("daemons", [("rollout", "3600")], indirect=True)
+def test_no_switch_before_the_jobs_trainer_is_started(sched: InProcess, daemons: dict[str, Proc]) -> None:
     """An operator's cordon while the job controller still prepares the job (trainer not started):
     the cell is not moved to TRAIN yet (it would find no trainer job and be rolled back, its drain
     wasted); it stays cordoned, taking no new work, until the controller marks the job prepared."""
@@ -190,7 +190,7 @@ def test_no_switch_before_the_jobs_trainer_is_started(sched: InProcess, agents: 
     s = sched
     controller = JobController(s.state, trainer=None, trajectory=None, reward=None, trajectory_address="",
                                scheduler_address="", checkpoint_root="")
-    orch = Orchestrator(s.state, AgentActuator(), instance_id="t", metrics_event_interval_s=3600,
+    orch = Orchestrator(s.state, DaemonActuator(), instance_id="t", metrics_event_interval_s=3600,
                         controller=controller)
     s.client.submit_job(job_spec(num_steps=1, groups_per_step=2, group_size=1, mode=Mode.ELASTIC))
     s.client.cordon_cell("c2", reason="maintenance")
@@ -225,7 +225,7 @@ def test_metrics_events_carry_the_gateways_usage_of_the_job(sched: InProcess) ->
             u = asker.job_usage([job_id], timeout_s=5).get(job_id)
             return dataclasses.asdict(u) if u is not None else None
 
-        orch = Orchestrator(sched.state, AgentActuator(), instance_id="t", metrics_event_interval_s=0.0, usage=usage)
+        orch = Orchestrator(sched.state, DaemonActuator(), instance_id="t", metrics_event_interval_s=0.0, usage=usage)
         sched.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=2, mode=Mode.COLOCATE))
         assert orch.tick()  # no call yet: a metrics event without usage
         prompt = np.arange(3, 300, dtype=np.int32)

@@ -35,7 +35,7 @@ def scheduler(tmp_path_factory: pytest.TempPathFactory, _session_redis: RedisSer
     tokens.chmod(0o600)
     proc = ServiceProcess.start("scheduler", "services.scheduler.main", work,
                                 ["--redis-url", _session_redis.url.removesuffix("/0") + "/5", "--tick-interval-s", "0.2",
-                                 "--actuator", "agent"],
+                                 "--actuator", "daemon"],
                                 env={"GYRE_SCHEDULER_AUTH_TOKENS_FILE": str(tokens)})
     try:
         yield proc.wait_ready(timeout_s=60)

@@ -42,7 +42,7 @@ EXPECTED = {
     "services.rollout.engine_main": _names(rollout_pb2, "Engine"),
     "services.rollout.gateway_main": _names(rollout_pb2, "Gateway"),
     "services.scheduler.main": _names(scheduler_pb2, "Scheduler", "Worker", "Cells"),
-    "services.scheduler.agent_main": _names(scheduler_pb2, "CellAgent"),
+    "services.scheduler.daemon_main": _names(scheduler_pb2, "CellDaemon"),
 }
 # Extra flags on top of the launcher's: an engine that boots without building a model.
 EXTRA = {"services.rollout.engine_main": ["--model", "random-tiny", "--max-batch-size", "4", "--max-workers", "16"]}
@@ -103,7 +103,7 @@ LONG_POLLS: dict[str, tuple[str, Any]] = {
     "services.trainer.main": ("/gyre.v1.Trainer/GetWeights", trainer_pb2.GetWeightsRequest(version=5, wait_s=600)),
     "services.rollout.engine_main": ("/gyre.v1.Engine/Attach", rollout_pb2.AttachRequest(request_id="x", wait_s=600)),
     "services.scheduler.main": ("/gyre.v1.Worker/LeaseExecution",
-                                scheduler_pb2.LeaseExecutionRequest(worker_id="w", job_id="", wait_s=60)),
+                                scheduler_pb2.LeaseExecutionRequest(harness_id="w", job_id="", wait_s=60)),
 }
 # Services known to hang on SIGTERM with a long-poll in flight, as strict xfails (a fix fails the
 # mark, so it gets removed). Empty: run_service leaves without joining RPC threads still blocked in
@@ -124,8 +124,8 @@ def _hold(address: str, path: str, request: Any) -> None:
 
 
 def _stop_params() -> list[Any]:
-    # agents first: on SIGTERM they deregister from the scheduler, which must still be up
-    ordered = sorted(specs(), key=lambda s: s.module != "services.scheduler.agent_main")
+    # daemons first: on SIGTERM they deregister from the scheduler, which must still be up
+    ordered = sorted(specs(), key=lambda s: s.module != "services.scheduler.daemon_main")
     return [pytest.param(s.name, id=s.name, marks=[pytest.mark.xfail(strict=True, reason=HANGS_ON_SIGTERM[s.module])]
                          if s.module in HANGS_ON_SIGTERM else []) for s in ordered]
 

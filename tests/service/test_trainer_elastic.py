@@ -6,7 +6,7 @@ replica *processes* (``python -m services.trainer.main --replica``) join and lea
     step 0: core alone                                  world 1
     step 1: replica A (started by AddReplica) joins     world 2
             before any micro-batch is handed out
-    step 2: replica B (started by "its cell agent":     world 3
+    step 2: replica B (started by "its cell daemon":     world 3
             here the test; AddReplica(hosted) only
             waits for it) joins mid-step (after 2 batches)
     step 3: B is SIGTERMed mid-step: it hands its       world 1 (+ B's hand-off,
@@ -15,7 +15,7 @@ replica *processes* (``python -m services.trainer.main --replica``) join and lea
             gone, evicts it at once and trains again the
             micro-batches A had taken (their gradients
             died with it)
-    step 4: replica C (started by "its cell agent", on  world 1 (+ C's batch
+    step 4: replica C (started by "its cell daemon", on  world 1 (+ C's batch
             what could be another host: the core knows     retrained by the core)
             nothing of its process) takes a batch and is
             SIGKILLed: its heartbeats stop, the core
@@ -78,7 +78,7 @@ def _count(store, key: str) -> int:
 
 
 def _replica_process(cell_id: str, replica_id: str, core: str, logs: Path) -> subprocess.Popen[bytes]:
-    """A replica as a cell agent starts it (the core does not know its process)."""
+    """A replica as a cell daemon starts it (the core does not know its process)."""
     return subprocess.Popen(
         [sys.executable, "-m", "services.trainer.main", "--replica", "--core", core, "--cell-id", cell_id,
          "--replica-id", replica_id, "--replica-threads", "1", "--log-json", "false"],

@@ -40,7 +40,7 @@ def launcher_argv(spec: ServiceSpec) -> list[str]:
 
 def variants() -> dict[tuple[str, tuple[str, ...]], ServiceSpec]:
     """Each distinct (module, flag names) the launcher runs -> one spec that runs it (engine cells
-    share one variant; the core cell agent and the rollout cell agents are two)."""
+    share one variant; the core cell daemon and the rollout cell daemons are two)."""
     out: dict[tuple[str, tuple[str, ...]], ServiceSpec] = {}
     for spec in default_specs(num_engines=2):
         if spec.serves:
@@ -83,7 +83,7 @@ def env_file_vars(path: Path) -> set[str]:
 
 def config_class(section: str) -> type[ServerConfig]:
     """The config class of a TOML section: ``services.<pkg>.config.<Section>Config``."""
-    pkg = {"engine": "rollout", "gateway": "rollout", "cell-agent": "scheduler"}.get(section, section)
+    pkg = {"engine": "rollout", "gateway": "rollout", "cell-daemon": "scheduler"}.get(section, section)
     module = importlib.import_module(f"services.{pkg}.config")
     cls = getattr(module, "".join(w.capitalize() for w in section.split("-")) + "Config")
     assert issubclass(cls, ServerConfig)
@@ -202,11 +202,11 @@ def test_compose_runs_every_launcher_command_and_two_engine_cells() -> None:
     registered = flag_value(compose_argv(gateway), "--engine-addresses").split(",")
     engine_port = load_as_launched(specs[engines[0]], DEPLOY / "config" / "compose.toml").port
     assert sorted(registered) == sorted(f"{c}={e}:{engine_port}" for c, e in zip(cells, engines))
-    # every engine cell has its cell agent pointing at it
-    agents = {flag_value(compose_argv(n), "--cell-id"): compose_argv(n) for n, spec in specs.items()
-              if spec.module == "services.scheduler.agent_main"}
+    # every engine cell has its cell daemon pointing at it
+    daemons = {flag_value(compose_argv(n), "--cell-id"): compose_argv(n) for n, spec in specs.items()
+              if spec.module == "services.scheduler.daemon_main"}
     for cell, engine in zip(cells, engines):
-        assert flag_value(agents[cell], "--engine-address") == f"{engine}:{engine_port}"
+        assert flag_value(daemons[cell], "--engine-address") == f"{engine}:{engine_port}"
 
 
 @pytest.mark.parametrize("name", sorted(gyre_services()))
@@ -270,7 +270,7 @@ def test_shipped_config_parses_into_the_services_config(path: Path, spec: Servic
     assert isinstance(cfg, config_class(spec.section))
     if path.name in DEPLOYMENTS:  # deployments bind every interface, on fixed ports but per-cell ones
         assert cfg.host == "0.0.0.0"
-        assert cfg.port > 0 or spec.section in ("engine", "cell-agent") and path.name == "systemd.toml"
+        assert cfg.port > 0 or spec.section in ("engine", "cell-daemon") and path.name == "systemd.toml"
 
 
 def test_a_typo_in_a_shipped_config_would_be_caught(tmp_path: Path) -> None:
@@ -303,7 +303,7 @@ def test_compose_makes_credentials_once_and_every_service_uses_them(tmp_path: Pa
     for name, svc in gyre_services().items():
         assert any(str(v).startswith("credentials:") for v in svc["volumes"]), name
         env = svc.get("environment", {})
-        section = name.split("-")[0].replace("cell", "cell_agent").upper()
+        section = name.split("-")[0].replace("cell", "cell_daemon").upper()
         tokens = env.get(f"GYRE_{section}_AUTH_TOKENS_FILE")
         assert tokens == "/var/lib/gyre/credentials/tokens", (name, sorted(env))
         # TLS by default: every service serves the node certificate and trusts the deployment's CA

@@ -1,10 +1,10 @@
-"""The cell agent: the process on a cell that holds its role and runs that role's process.
+"""The cell daemon: the process on a cell that holds its role and runs that role's process.
 
-A cell runs either an inference engine (ROLLOUT) or a trainer replica (TRAIN). The agent starts
+A cell runs either an inference engine (ROLLOUT) or a trainer replica (TRAIN). The daemon starts
 the configured command of its role as a child process; ``set_role`` (called by the scheduler
-through the ``CellAgent`` RPC) stops the current child gracefully (SIGTERM, then SIGKILL after
+through the ``CellDaemon`` RPC) stops the current child gracefully (SIGTERM, then SIGKILL after
 ``stop_grace_s``) and starts the new role's command. The scheduler drains a ROLLOUT cell through
-the gateway *before* asking its agent to switch, so stopping the engine interrupts nothing.
+the gateway *before* asking its daemon to switch, so stopping the engine interrupts nothing.
 
 Commands are templates with ``{cell_id} {job_id} {step} {weight_version} {switch_id}``; an empty command
 means the role needs no process on this cell (e.g. a trainer replica hosted elsewhere).
@@ -30,11 +30,11 @@ from services.common.roles import CellRole
 log = get_logger(__name__)
 
 
-class CellAgent:
+class CellDaemon:
     def __init__(self, *, cell_id: str, role: CellRole, commands: Mapping[CellRole, str], stop_grace_s: float = 10.0,
                  switch_delay_s: float = 0.0) -> None:
         if role is CellRole.SWITCHING:
-            raise ValueError("a cell agent starts as rollout, train or idle")
+            raise ValueError("a cell daemon starts as rollout, train or idle")
         self.cell_id = cell_id
         self._role: CellRole = role
         self.commands = dict(commands)
@@ -57,7 +57,7 @@ class CellAgent:
         child = self._child
         return child.pid if child is not None and child.poll() is None else None
 
-    def start(self) -> CellAgent:
+    def start(self) -> CellDaemon:
         with self._lock:
             self._launch()
         return self

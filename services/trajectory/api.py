@@ -111,7 +111,7 @@ class _Step:
     settled: bool = False  # the trainer declared the step's result final (payloads may go)
 
 
-class TrajectoryCore:
+class TrajectoryApi:
     """The service's state and operations. Thread-safe. Lifecycle: construct -> ``recover()`` -> use."""
 
     def __init__(self, config: TrajectoryConfig, store: TrajectoryStore, *,
