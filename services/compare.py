@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.run import RunConfig, RunResult, load_run, run_job
+from services.run import RunConfig, RunResult, interrupt_on_signals, load_run, run_job
 from services.scheduler.jobs import JobSpec, Mode
 
 MODES = ("colocate", "async", "elastic")
@@ -166,5 +166,11 @@ def compare_main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"gyre run --compare: {exc}", file=sys.stderr)
         return 2
-    compare_modes(run, spec, seeds=seeds, config_path=config)
+    interrupt_on_signals()
+    try:
+        compare_modes(run, spec, seeds=seeds, config_path=config)
+    except KeyboardInterrupt:
+        print("gyre run --compare: interrupted; every service it started was stopped (the modes that "
+              "ended have their reports under the report directory)", file=sys.stderr)
+        return 130
     return 0

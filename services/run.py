@@ -285,24 +285,29 @@ def load_run(argv: Sequence[str]) -> tuple[RunConfig, JobSpec, Path]:
     return run, spec, config
 
 
-def run_job_cli(run: RunConfig, spec: JobSpec, config: Path, *, prog: str) -> RunResult | int:
-    """``run_job`` for a command: JSON warnings only, SIGTERM/^C take the stack down; the result, or
-    the exit code after one sentence on stderr (2: the job could not run, 130: interrupted)."""
-    from services.common.logging import setup_logging
-
-    setup_logging(json=True, level="WARNING", service=prog.split()[-1])
+def interrupt_on_signals() -> None:
+    """SIGTERM and ^C raise KeyboardInterrupt, which unwinds ``run_job``'s finally: the stack comes
+    down. Later signals are ignored: a second SIGTERM/^C (from `timeout`, a process-group kill, an
+    impatient user) must not interrupt that teardown and leave every service running (they run in
+    their own sessions)."""
     import signal
 
     def _interrupt(_signum: int, _frame: Any) -> None:
-        # Unwinds run_job's finally, which takes the stack down. Later signals are ignored: a
-        # second SIGTERM/^C (from `timeout`, a process-group kill, an impatient user) must not
-        # interrupt that teardown and leave every service running (they run in their own sessions).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+
+
+def run_job_cli(run: RunConfig, spec: JobSpec, config: Path, *, prog: str) -> RunResult | int:
+    """``run_job`` for a command: JSON warnings only, SIGTERM/^C take the stack down; the result, or
+    the exit code after one sentence on stderr (2: the job could not run, 130: interrupted)."""
+    from services.common.logging import setup_logging
+
+    setup_logging(json=True, level="WARNING", service=prog.split()[-1])
+    interrupt_on_signals()
     try:
         return run_job(run, spec, config_path=config)
     except (ValueError, TimeoutError, RuntimeError) as exc:

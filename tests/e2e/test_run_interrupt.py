@@ -30,17 +30,20 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_two_sigterms_mid_run_still_stop_every_service(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compare", [False, True], ids=["run", "compare"])
+def test_two_sigterms_mid_run_still_stop_every_service(tmp_path: Path, compare: bool) -> None:
+    """`gyre run`, and `gyre run --compare` in its first mode's run."""
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "run", "--num-steps", "50", "--evaluation.tasks", "0", "--quiet",
+            [sys.executable, "-m", "services.cli", "run", *(["--compare"] if compare else []), "--num-steps", "50",
+             "--evaluation.tasks", "0", "--quiet",
              "--data-dir", str(tmp_path / "data"), "--report-dir", str(tmp_path / "report")],
             cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        try:  # the harness worker started, or the run ended
-            wait_until(lambda: "harness     worker" in out.read_text() or proc.poll() is not None, 240,
-                       "the harness worker to start", poll_s=0.2)
+        try:  # the built-in harness started (the last process), or the run ended
+            wait_until(lambda: re.search(r"^harness +no gRPC \(pid \d+", out.read_text(), re.M) is not None
+                       or proc.poll() is not None, 240, "the built-in harness to start", poll_s=0.2)
         except AssertionError as exc:
             raise AssertionError(f"{exc}:\n{out.read_text()}") from None
         assert proc.poll() is None, out.read_text()
