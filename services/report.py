@@ -172,6 +172,13 @@ def write_report(out_dir: str | Path, *, steps: Sequence[Mapping[str, Any]], eva
                    for k, v in {**meta, **summary}.items())
     imgs = "".join(f'<figure><img src="{f}" alt="{html.escape(c)}"><figcaption>{html.escape(c)}</figcaption></figure>'
                    for f, c in figures)
+    why = "".join(f"<tr><td>{float(s.get('at_s', 0.0)):.0f}</td><td>{html.escape(str(s.get('cell_id', '')))}</td>"
+                  f"<td>{html.escape(str(s.get('from', '')))} -&gt; {html.escape(str(s.get('to', '')))}</td>"
+                  f"<td>{float(s.get('duration_s', 0.0)):.2f}</td><td>{html.escape(str(s.get('reason') or '-'))}</td></tr>"
+                  for s in switches)
+    if why:  # every switch with the policy's reason for it (elastic: what it weighed)
+        imgs += ("<h2>Role switches and why</h2><table><tr><th>at s</th><th>cell</th><th>switch</th>"
+                 f"<th>took s</th><th>reason</th></tr>{why}</table>")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Gyre run report</title>
 <style>body{{font-family:sans-serif;max-width:980px;margin:2em auto}}table{{border-collapse:collapse}}
 th,td{{border:1px solid #ccc;padding:4px 8px;text-align:left}}img{{max-width:100%}}</style></head><body>

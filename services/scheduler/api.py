@@ -8,6 +8,7 @@ Every method validates its input first, so a bad request never reaches Redis.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import secrets
 import time
@@ -21,6 +22,7 @@ from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.common.roles import AGENT_ROLES
 from services.common.roles import CellRole
+from services.scheduler.costs import TrainSample
 from services.scheduler.jobs import (
     CellRecord,
     Event,
@@ -183,14 +185,22 @@ class SchedulerApi:
                     yield e
                 return
 
-    def report_training(self, job_id: str, step: int, phase: str, weight_version: int) -> tuple[JobStatus, bool]:
+    def report_training(self, job_id: str, step: int, phase: str, weight_version: int, *,
+                        trained_tokens: float = 0.0, compute_s: float = 0.0,
+                        world_size: int = 0) -> tuple[JobStatus, bool]:
         job = self.get_job(job_id)
         if step < 0:
             raise InvalidArgument(f"step is {step}; expected >= 0")
+        if not (math.isfinite(trained_tokens) and math.isfinite(compute_s)) or min(trained_tokens, compute_s) < 0:
+            raise InvalidArgument("trained_tokens and compute_s must be finite and >= 0")
+        if world_size < 0:
+            raise InvalidArgument(f"world_size is {world_size}; expected >= 0 (0: not measured)")
+        measured = (TrainSample(step=step, tokens=trained_tokens, compute_s=compute_s, world_size=world_size)
+                    if phase == "published" and trained_tokens > 0 and compute_s > 0 and world_size > 0 else None)
         if (phase == "published" and step + 1 == job.spec.num_steps and job.current_step == step
                 and job.state is JobState.RUNNING and self.before_last_publish is not None):
             self.before_last_publish(job)
-        applied = self.state.report_training(job_id, step, phase, weight_version)
+        applied = self.state.report_training(job_id, step, phase, weight_version, measured)
         log.info("training reported", job_id=job_id, step=step, phase=phase, weight_version=weight_version,
                  duplicate=not applied)
         return self.state.get_job(job_id), not applied

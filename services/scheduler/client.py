@@ -79,11 +79,15 @@ class SchedulerClient(GrpcClient):
         for e in self._stream(self._sched.WatchJob, req, timeout_s):
             yield event_from_proto(e)
 
-    def report_training(self, job_id: str, step: int, phase: str, weight_version: int = 0) -> tuple[JobStatus, bool]:
-        """Trainer progress: ``phase`` 'started' or 'published' (with ``weight_version`` = step + 1)."""
+    def report_training(self, job_id: str, step: int, phase: str, weight_version: int = 0, *,
+                        trained_tokens: float = 0.0, compute_s: float = 0.0,
+                        world_size: int = 0) -> tuple[JobStatus, bool]:
+        """Trainer progress: ``phase`` 'started' or 'published' (with ``weight_version`` = step + 1 and
+        what the update measured: tokens trained, the core's compute seconds, the world size)."""
         if phase not in _PHASES:
             raise ValueError(f"phase {phase!r} must be 'started' or 'published'")
-        req = pb.ReportTrainingRequest(job_id=job_id, step=step, phase=_PHASES[phase], weight_version=weight_version)
+        req = pb.ReportTrainingRequest(job_id=job_id, step=step, phase=_PHASES[phase], weight_version=weight_version,
+                                       trained_tokens=trained_tokens, compute_s=compute_s, world_size=world_size)
         res = self._call(self._sched.ReportTraining, req)
         return job_from_proto(res.job), res.duplicate
 

@@ -28,6 +28,7 @@ Lifecycle: built -> start() (thread) -> stop() (waits for in-flight switches, re
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,9 +41,10 @@ from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.scheduler.controller import JobController
+from services.scheduler.costs import SwitchCosts, estimate
 from services.scheduler.jobs import CellRecord, EventKind, JobState, JobStatus
 from services.common.roles import CellRole
-from services.scheduler.policy import Action, CellView, ClusterView, decide, may_start
+from services.scheduler.policy import Action, CellView, ClusterView, Mode, decide, may_start
 from services.scheduler.state import SchedulerState
 from services.scheduler.tasks import step_payloads
 
@@ -316,7 +318,21 @@ class Orchestrator:
             training_active=job.training_step == job.current_step or job.done_in_step >= spec.step_size,
             next_step_allowed=nxt < spec.num_steps and may_start(nxt, job.weight_version, params,
                                                                  self._step_finished(job, job.current_step)),
+            costs=self.costs(job, len(cells)),
         )
+
+    def costs(self, job: JobStatus, num_cells: int) -> SwitchCosts | None:
+        """What switches cost and buy, measured on this cluster (elastic jobs only; None until the
+        job's first update was measured). The work the update has left is its steps' median tokens
+        scaled by the share of the step's executions that ended: what more TRAIN cells could share."""
+        if job.spec.mode is not Mode.ELASTIC:
+            return None
+        train = self.state.train_samples(job.job_id, job.current_step)
+        if not train:
+            return None
+        per_step = statistics.median(s.tokens for s in train)
+        ended = min(1.0, job.done_in_step / job.spec.step_size) if job.spec.step_size else 1.0
+        return estimate(train, self.state.switch_samples(), max_cells=num_cells, train_left_tokens=per_step * ended)
 
     # ---------------------------------------------------------------- switches
 

@@ -21,7 +21,10 @@ Modes (``Mode``):
   recomputation) and switch to TRAIN to join the running update; when startable work exceeds
   the rollout capacity (typically when an update is published and the next step opens), TRAIN
   cells return to ROLLOUT. Rollouts of later steps may overlap the running update within the
-  staleness bound, exactly as in async.
+  staleness bound, exactly as in async. Given the cluster's measured ``SwitchCosts``
+  (``costs.py``), a cell is freed only when the update finishes sooner by more than the cell's
+  way back to rollout, so on cells that share one host's compute elastic stops paying for
+  switches that buy no training speed.
 
 Invariants (asserted by ``check_actions`` and the tests): the core cell never switches; a
 SWITCHING cell gets no action; a ROLLOUT cell switches away only when it hosts nothing or when
@@ -43,6 +46,7 @@ from enum import Enum
 from typing import Literal, TypeVar
 
 from services.common.roles import CellRole
+from services.scheduler.costs import SwitchCosts
 
 K = TypeVar("K")
 
@@ -95,6 +99,8 @@ class ClusterView:
     train_ready: bool  # the step's training batch is (partly) available, so TRAIN cells have work
     training_active: bool  # an update is in progress
     next_step_allowed: bool  # staleness bound lets rollouts of step+1 start now
+    # What switches cost and buy (elastic weighs them); None: not measured yet, decide without.
+    costs: SwitchCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -343,12 +349,18 @@ def _decide_elastic(view: ClusterView, params: PolicyParams) -> list[Action]:
                 actions.append(_switch(c, CellRole.ROLLOUT, f"elastic: rollout demand {demand} needs {need} cells"))
                 have += 1
     elif have > need and view.train_ready:
-        actions.extend(_consolidate(rollout, have - need, kv_exec, demand))
+        training = sum(1 for c in view.cells if c.role is CellRole.TRAIN or c.switching_to is CellRole.TRAIN)
+        actions.extend(_consolidate(rollout, have - need, kv_exec, demand, view.costs, training))
     return actions
 
 
-def _consolidate(rollout: list[CellView], surplus: int, kv_exec: float, demand: int) -> list[Action]:
+def _consolidate(rollout: list[CellView], surplus: int, kv_exec: float, demand: int,
+                 costs: SwitchCosts | None = None, training: int = 1) -> list[Action]:
     """Free up to ``surplus`` rollout cells for training, emptiest first, migrating their work.
+
+    With ``costs``, a cell is freed only while the update (run by ``training`` TRAIN cells, one
+    more per cell freed) gains more than that cell's way back to rollout; the gain shrinks as
+    cells are added, so the first cell not worth it ends the pass.
 
     Cells sorted by load: the emptiest are freed from the bottom, their executions go to the
     fullest cells with room from the top (so the next cells to free stay empty). A cell is freed
@@ -373,13 +385,20 @@ def _consolidate(rollout: list[CellView], surplus: int, kv_exec: float, demand: 
                 j -= 1
         if need > 0:
             break
+        reason = f"elastic: consolidate, rollout demand {demand}"
+        if costs is not None:
+            world = training + len(actions)
+            gain = costs.gain_s(world)
+            if gain <= costs.train_to_rollout_s:
+                break
+            reason += (f"; the update ends ~{gain:.1f} s sooner with {world + 1} TRAIN cells, more than the "
+                       f"{costs.train_to_rollout_s:.1f} s way back ({costs.basis})")
         for k, take in takes:
             room[k] -= take
             received.add(k)
         top = j
         targets = [order[k].cell_id for k, _ in takes]
-        actions.append(_switch(cell, CellRole.TRAIN, f"elastic: consolidate, rollout demand {demand}",
-                               migrate_to=tuple(targets)))
+        actions.append(_switch(cell, CellRole.TRAIN, reason, migrate_to=tuple(targets)))
     return actions
 
 

@@ -79,7 +79,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         phase = enum_value({pb.TRAINING_PHASE_STARTED: "started", pb.TRAINING_PHASE_PUBLISHED: "published"},
                       request.phase, "phase", "STARTED or PUBLISHED")
         job, dup = self.api.report_training(request.job_id, request.step, phase,  # type: ignore[arg-type]
-                                            request.weight_version)
+                                            request.weight_version, trained_tokens=request.trained_tokens,
+                                            compute_s=request.compute_s, world_size=request.world_size)
         return pb.ReportTrainingResponse(job=job_to_proto(job), duplicate=dup)
 
 

@@ -33,7 +33,8 @@ Key layout (prefix ``gyre:sched:``)::
 
     The job hash also holds the job controller's progress: ctl_prepared, ctl_trainer_starts,
     training_done, hold_completion, eval_size:{round}, eval_done:{round}, eval_n_{status}:{round},
-    eval_result:{round} (JSON).
+    eval_result:{round} (JSON); and train:{step} = "tokens compute_s world_size", what each
+    published update measured (the elastic policy's cost model, ``costs.py``).
 
 Lease fencing: each lease gets a fresh random token; Heartbeat/CompleteExecution must present
 the execution's current token. An expired lease is re-queued keeping its token, so the original
@@ -57,6 +58,7 @@ from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArg
 from services.common.redis_store import Keys as _NsKeys
 from services.common.roles import CellRole
 from services.scheduler import lua
+from services.scheduler.costs import RECENT, SwitchSample, TrainSample
 from services.scheduler.jobs import (
     CellRecord,
     Event,
@@ -342,12 +344,37 @@ class SchedulerState:
         self.r.hset(self.keys.job(job_id), name, value)
         return True
 
+    def train_samples(self, job_id: str, before_step: int, count: int = RECENT) -> list[TrainSample]:
+        """What the updates of the ``count`` steps before ``before_step`` measured, oldest first."""
+        steps = list(range(max(0, before_step - count), before_step))
+        if not steps:
+            return []
+        out = []
+        for step, raw in zip(steps, self.r.hmget(self.keys.job(job_id), [f"train:{s}" for s in steps])):
+            if raw:
+                tokens, compute_s, world = _s(raw).split()
+                out.append(TrainSample(step=step, tokens=float(tokens), compute_s=float(compute_s),
+                                       world_size=int(world)))
+        return out
+
+    def switch_samples(self, count: int = 4 * RECENT) -> list[SwitchSample]:
+        """Durations of the last finished switches (any job: they are the cells' costs), oldest first."""
+        out = []
+        for _eid, f in reversed(self.r.xrevrange(self.keys.switch_log, count=count)):
+            way = (_s(f.get(b"from")), _s(f.get(b"to")))
+            if _s(f.get(b"outcome")) != "done" or way not in (("rollout", "train"), ("train", "rollout")):
+                continue  # a first assignment (from idle) or a rollback times something else
+            out.append(SwitchSample(to_train=way[1] == "train", seconds=_i(f.get(b"duration_ms")) / 1000))
+        return out
+
     def done_in_step(self, job_id: str, step: int) -> int:
         """Executions of ``step`` that ended (any status)."""
         return _i(self.r.hget(self.keys.job(job_id), f"done:{step}"))
 
-    def report_training(self, job_id: str, step: int, phase: str, weight_version: int) -> bool:
-        """Trainer progress: ``started`` a step's update or ``published`` its weights. False on a repeat."""
+    def report_training(self, job_id: str, step: int, phase: str, weight_version: int,
+                        measured: TrainSample | None = None) -> bool:
+        """Trainer progress: ``started`` a step's update or ``published`` its weights (with what the
+        update ``measured``, kept as ``train:{step}``). False on a repeat."""
         if phase not in ("started", "published"):
             raise InvalidArgument(f"training phase {phase!r} must be 'started' or 'published'")
         if phase == "published" and weight_version != step + 1:
@@ -355,7 +382,9 @@ class SchedulerState:
                 f"publishing step {step} must produce weight_version {step + 1}, not {weight_version}")
         k = self.keys
         res = self._run("REPORT_TRAINING", [k.job(job_id), k.events(job_id), k.active],
-                        [step, phase, weight_version, self.now_ms(), self.event_maxlen, job_id])
+                        [step, phase, weight_version, self.now_ms(), self.event_maxlen, job_id,
+                         f"{measured.tokens:.0f}" if measured else "0", f"{measured.compute_s:.4f}" if measured else "0",
+                         measured.world_size if measured else 0])
         code = res[0]
         if code == -1:
             raise NotFound(f"job {job_id!r} does not exist")

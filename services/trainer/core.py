@@ -103,7 +103,7 @@ class CoreTrainer:
                  member_timeout_s: float = 300.0, replica_silence_s: float = 20.0,
                  collective_timeout_s: float = 600.0,
                  publish_chunk_bytes: int = 4 << 20,
-                 reporter: Callable[[TrainerJob, int, str, int], None] | None = None) -> None:
+                 reporter: Callable[..., None] | None = None) -> None:
         # replica id -> False once its process is known dead (the servicer wires the replicas it spawned)
         self.replica_alive: Callable[[str], bool | None] = _unknown_replica
         import torch.distributed as dist
@@ -274,7 +274,11 @@ class CoreTrainer:
         with self._cv:
             st.reports.append(report)
             self._cv.notify_all()
-        self._report(job, step, "published", new_version)
+        # what the policy weighs against switch costs: every participant's tokens over the time the core
+        # computed (waits for rollouts left out), and the world that shared them
+        self._report(job, step, "published", new_version,
+                     {"tokens": float(metrics.get("tokens", 0.0)), "compute_s": compute_s,
+                      "world_size": float(seal.world_size)})
         settle = getattr(st.source, "settle", None)
         if settle is not None:
             try:
@@ -345,12 +349,14 @@ class CoreTrainer:
         return PublishReport(version=version, num_bytes=nbytes, snapshot_s=snapshot_s, engines_s=secs, engines_ok=ok,
                              engines_failed=tuple(failed))
 
-    def _report(self, job: TrainerJob, step: int, phase: str, version: int) -> None:
-        """Tell the scheduler (``reporter``, wired in main) that a step started / was published."""
+    def _report(self, job: TrainerJob, step: int, phase: str, version: int,
+                measured: dict[str, float] | None = None) -> None:
+        """Tell the scheduler (``reporter``, wired in main) that a step started / was published
+        (``measured``: the update's tokens, compute seconds and world size)."""
         if self.reporter is None:
             return
         try:
-            self.reporter(job, step, phase, version)
+            self.reporter(job, step, phase, version, measured)
         except Exception as exc:  # progress reports are advisory; training goes on
             log.warning("step report failed", job_id=job.job_id, step=step, phase=phase, error=str(exc))
 

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from protos.gyre.v1 import trainer_pb2, trainer_pb2_grpc
@@ -61,19 +61,22 @@ def build_trainer(cfg: TrainerConfig) -> Built:
     return server, on_shutdown
 
 
-def scheduler_reporter() -> Callable[[Any, int, str, int], None]:
-    """ReportTraining(started / published) to the job's scheduler, one client per address."""
+def scheduler_reporter() -> Callable[..., None]:
+    """ReportTraining(started / published, with what a published update measured) to the job's
+    scheduler, one client per address."""
     from services.scheduler.client import SchedulerClient
 
     clients: dict[str, SchedulerClient] = {}
 
-    def report(job: Any, step: int, phase: str, version: int) -> None:
+    def report(job: Any, step: int, phase: str, version: int, measured: Mapping[str, float] | None = None) -> None:
         if not job.scheduler_address:
             return
         client = clients.get(job.scheduler_address)
         if client is None:
             client = clients[job.scheduler_address] = SchedulerClient(job.scheduler_address)
-        client.report_training(job.job_id, step, phase, version)
+        m = measured or {}
+        client.report_training(job.job_id, step, phase, version, trained_tokens=float(m.get("tokens", 0.0)),
+                               compute_s=float(m.get("compute_s", 0.0)), world_size=int(m.get("world_size", 0)))
 
     return report
 

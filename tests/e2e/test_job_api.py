@@ -90,6 +90,9 @@ def test_the_external_harness_example_runs_a_submitted_job_and_it_is_trained(sta
     assert last["state"] == "completed" and last["weight_version"] == 1, watched[-5:]
     trained = [json.loads(x) for x in watched[:-1] if json.loads(x)["kind"] == "step_trained"]
     assert [int(e["step"]) for e in trained] == [0]
+    # the trainer reported what the update measured (the elastic policy's cost model reads it)
+    assert float(trained[0]["trained_tokens"]) > 0 and float(trained[0]["compute_s"]) > 0, trained
+    assert int(trained[0]["world_size"]) >= 1, trained
     # the gateway keeps no per-execution state past an execution's end: its delta encoder drops
     # the job's four ended executions and holds nothing more
     port = status(stack)["services"]["gateway"]["metrics_port"]

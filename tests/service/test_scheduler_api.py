@@ -306,3 +306,37 @@ def test_a_restarted_harness_releases_its_predecessors_leases(redis_url: str) ->
         assert s.client.get_execution(other.execution_id).state is ExecState.QUEUED
         with pytest.raises(InvalidArgument, match="harness_id is required"):
             s.client.release_harness("")
+
+
+def test_a_published_update_reports_what_it_measured_and_elastic_weighs_it(sched: InProcess) -> None:
+    """ReportTraining carries the update's tokens, compute seconds and world size; the scheduler
+    keeps them once per step (a retried report adds nothing), logs them on step_trained, and an
+    elastic job's view costs its switches with them (services/scheduler/costs.py)."""
+    s = sched
+    s.client.submit_job(job_spec(num_steps=3, mode=Mode.ELASTIC, staleness_bound=1))
+    orch = orchestrator(s)
+    orch.tick()
+    assert orch.costs(s.client.get_job("j1"), 3) is None  # nothing measured yet: decide without costs
+    drain_step(s, "j1", 4)
+    for bad, match in (({"trained_tokens": -1.0, "compute_s": 1.0, "world_size": 1}, "finite and >= 0"),
+                       ({"trained_tokens": float("nan"), "compute_s": 1.0, "world_size": 1}, "finite and >= 0"),
+                       ({"trained_tokens": 1.0, "compute_s": 1.0, "world_size": -2}, "world_size is -2")):
+        with pytest.raises(InvalidArgument, match=match):
+            s.client.report_training("j1", 0, "published", 1, **bad)  # type: ignore[arg-type]
+    assert s.client.get_job("j1").weight_version == 0  # a refused report changes nothing
+    measured = {"trained_tokens": 12_000.0, "compute_s": 6.0, "world_size": 2}
+    job, dup = s.client.report_training("j1", 0, "published", 1, **measured)  # type: ignore[arg-type]
+    assert not dup and job.weight_version == 1
+    _, dup = s.client.report_training("j1", 0, "published", 1, trained_tokens=99.0, compute_s=1.0, world_size=1)
+    assert dup
+    assert [(x.step, x.tokens, x.compute_s, x.world_size) for x in s.state.train_samples("j1", 1)] == [
+        (0, 12_000.0, 6.0, 2)]
+    trained = [e for e in s.client.watch("j1", follow=False) if e.kind == "step_trained"]
+    assert trained[0].attrs["trained_tokens"] == "12000" and trained[0].attrs["world_size"] == "2"
+    orch.tick()
+    costs = orch.costs(s.client.get_job("j1"), 3)
+    assert costs is not None and costs.rate(2) == pytest.approx(2000.0)
+    assert costs.rate(1) == pytest.approx(1000.0)  # no world of 1 measured: extrapolated linearly
+    assert "measured: 1 updates" in costs.basis
+    s.client.submit_job(job_spec("j2", num_steps=1))
+    assert orch.costs(s.client.get_job("j2"), 3) is None  # colocate weighs nothing

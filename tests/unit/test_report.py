@@ -18,7 +18,8 @@ def test_report_files(tmp_path: Path) -> None:
              {"cell_id": "cell-1", "role": "rollout", "start_s": 0, "end_s": 12},
              {"cell_id": "cell-1", "role": "switching", "start_s": 12, "end_s": 13},
              {"cell_id": "cell-1", "role": "train", "start_s": 13, "end_s": 30}]
-    switches = [{"cell_id": "cell-1", "from": "rollout", "to": "train", "duration_s": 1.0, "at_s": 12, "migrated": 2}]
+    switches = [{"cell_id": "cell-1", "from": "rollout", "to": "train", "duration_s": 1.0, "at_s": 12, "migrated": 2,
+                 "reason": "elastic: consolidate, rollout demand 1; the update ends ~4.5 s sooner with 2 TRAIN cells"}]
     page = write_report(tmp_path / "r", steps=steps, evals=evals, roles=roles, switches=switches,
                         meta={"mode": "elastic", "seed": 0})
     text = page.read_text()
@@ -26,6 +27,7 @@ def test_report_files(tmp_path: Path) -> None:
                 "timeouts.png", "step_time.png"):
         assert (tmp_path / "r" / png).stat().st_size > 1000 and png in text
     assert "0.250 -&gt; 0.500" in text and "3.00x" in text and "elastic" in text
+    assert "Role switches and why" in text and "~4.5 s sooner with 2 TRAIN cells" in text  # each switch's reason
     assert "16.0 calls (max 40)" in text and "3 executions, mean partial reward 0.500" in text
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("step") == 3 and kinds.count("switch") == 1 and kinds.count("role") == 4

@@ -137,6 +137,18 @@ def test_elastic_consolidates_with_migration_and_returns_cells() -> None:
     assert sim.migrations > 0 and any(moved > 0 for *_, moved in to_train)
 
 
+def test_elastic_weighs_the_cost_models_numbers_when_cells_share_compute() -> None:
+    """The simulator hands the policy its own rates and switch times (services/scheduler/costs.py):
+    where the TRAIN cells share one host's compute (a cap at one cell's rate), a freed cell buys no
+    training speed, so elastic frees none; with their own compute it does, as above."""
+    trace = small_trace(steps=4)
+    shared = run_probe(trace, small_cost(max_train_tok_s=2_000.0), ELASTIC)
+    assert not [x for x in shared.switch_log if x[2] is CellRole.ROLLOUT and x[3] is CellRole.TRAIN]
+    own = run_probe(trace, small_cost(), ELASTIC)
+    assert [x for x in own.switch_log if x[2] is CellRole.ROLLOUT and x[3] is CellRole.TRAIN]
+    assert shared.calls_done == own.calls_done == sum(len(e.env_s) for e in trace)
+
+
 def test_async_keeps_its_split() -> None:
     sim = run_probe(small_trace(), small_cost(), PolicyParams(mode=Mode.ASYNC, async_rollout_cells=3))
     assert [x for x in sim.switch_log if x[2] is not CellRole.IDLE] == []

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.scheduler.costs import SwitchCosts
 from services.scheduler.sim.cost_model import CostModel
 from services.common.roles import CellRole
 from services.scheduler.policy import (
@@ -116,6 +117,8 @@ class Simulator:
         self.bound = effective_staleness_bound(params)
         self.slots = cost.slots
         self.speed = [cost.speed(n) for n in range(self.slots + 1)]  # hot path: a table, not a call
+        # what elastic's policy weighs (services/scheduler/costs.py): the cost model's own numbers
+        self.train_rates = tuple(cost.train_rate(k) for k in range(1, cost.num_cells + 1))
         groups: dict[str, int] = {}
         self.execs = [_Exec(i, e, groups.setdefault(e.group, len(groups)), cost) for i, e in enumerate(trace)]
         self.n_steps = max(e.step for e in self.execs) + 1
@@ -389,7 +392,11 @@ class Simulator:
                            running=self.running, finished_in_step=self.step_finished[s],
                            step_size=self.step_size[s], train_ready=backlog > TOKEN_EPS and not self.publishing,
                            training_active=self.publishing or self.avail[s] > 0,
-                           next_step_allowed=s + 1 <= self._last_startable())
+                           next_step_allowed=s + 1 <= self._last_startable(),
+                           costs=SwitchCosts(rollout_to_train_s=self.cost.rollout_to_train_s,
+                                             train_to_rollout_s=self.cost.train_to_rollout_s,
+                                             train_tok_s=self.train_rates, train_left_tokens=max(0.0, backlog),
+                                             basis="cost model"))
 
     def _apply(self, actions: list[Action]) -> None:
         check_actions(self._view(), actions, float(self.cost.execution_kv_tokens))
