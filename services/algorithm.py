@@ -43,7 +43,12 @@ numerics) and the trainer:
 
 * ``tis_cap is None`` - plain PPO against the behaviour policy:
       r = exp(logp - old),  loss_i = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
-  Tokens whose ratio left the trust region in the direction of A get no gradient.
+  Tokens whose ratio left the trust region in the direction of A get no gradient. With
+  ``dual_clip = c`` (dual-clip PPO, Ye et al. 2020; verl's ``clip_ratio_c``), a negative-advantage
+  token's loss is also capped at -c*A: a stale token the current policy likes far more than the
+  engine that sampled it did (r >> 1; Adam's first update alone moves a small model that far)
+  would otherwise be pushed down with a gradient r times its advantage, and one such step can
+  wreck an off-policy run.
 * ``tis_cap = C`` - truncated importance sampling (Yao et al. 2025, "decoupled" PPO): the
   proximal policy is the trainer's own current weights (the weights are fixed during a step and
   updated once at its end, so "old trainer" == current, detached), and the behaviour/trainer
@@ -90,6 +95,8 @@ class Algorithm:
     """Weight of the entropy bonus."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap on trainer/behaviour ratios (0: off)."""
+    dual_clip: float = 3.0
+    """Dual-clip PPO bound c > 1: a negative-advantage token's loss is at most -c * A (0: off)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     max_grad_norm: float = 1.0
@@ -115,6 +122,8 @@ class Algorithm:
                 raise ValueError(f"algorithm.{name} is {v}; expected a finite number >= 0")
         if self.tis_cap != 0.0 and not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
             raise ValueError(f"algorithm.tis_cap is {self.tis_cap}; expected 0 (off) or a finite number >= 1")
+        if self.dual_clip != 0.0 and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):
+            raise ValueError(f"algorithm.dual_clip is {self.dual_clip}; expected 0 (off) or a finite number > 1")
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"algorithm.loss_aggregation is {self.loss_aggregation!r}; expected one of "
                              f"{', '.join(LOSS_AGGREGATIONS)}")
@@ -126,7 +135,8 @@ class Algorithm:
     def objective(self) -> ObjectiveConfig:
         """The trainer's loss hyper-parameters of this algorithm."""
         return ObjectiveConfig(eps_low=self.clip_low, eps_high=self.clip_high, kl_coef=self.kl_coef,
-                               entropy_coef=self.entropy_coef, tis_cap=self.tis_cap or None)
+                               entropy_coef=self.entropy_coef, tis_cap=self.tis_cap or None,
+                               dual_clip=self.dual_clip or None)
 
 
 
@@ -201,6 +211,8 @@ class ObjectiveConfig:
     """Upper clip range ("clip-higher"): ratios above 1 + eps_high stop pushing a token up."""
     tis_cap: float | None = None
     """Truncated-importance-sampling cap C on exp(trainer - behaviour); None = plain PPO."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 on a negative-advantage token's loss (-c * A at most); None = off."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate against the reference (or behaviour) log-probs."""
     entropy_coef: float = 0.0
@@ -213,6 +225,8 @@ class ObjectiveConfig:
             raise ValueError(f"eps_high must be a finite number >= 0, got {self.eps_high}")
         if self.tis_cap is not None and not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
             raise ValueError(f"tis_cap must be a finite number >= 1 (or None), got {self.tis_cap}")
+        if self.dual_clip is not None and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):
+            raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {self.dual_clip}")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
         if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
@@ -223,7 +237,7 @@ class ObjectiveConfig:
 # tensor for the all-reduce.
 SUM_METRICS: tuple[str, ...] = (
     "loss", "pg_loss", "kl", "mismatch_kl", "entropy", "clip_frac", "clip_low_frac",
-    "clip_high_frac", "tis_trunc_frac", "ratio_mean", "weight_sum", "num_targets",
+    "clip_high_frac", "tis_trunc_frac", "ratio_mean", "weight_sum", "num_targets", "clip_dual_frac",
 )
 
 
@@ -289,9 +303,16 @@ def policy_loss(
     clipped_ratio = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
     surr = ratio * adv
     surr_clipped = clipped_ratio * adv
-    pg = -torch.minimum(surr, surr_clipped) * is_weight
+    pg = -torch.minimum(surr, surr_clipped)
     # The clip is active (no gradient) where the clipped surrogate is the smaller one.
     active = surr_clipped < surr
+    if config.dual_clip is not None:
+        bound = -config.dual_clip * adv  # > 0 where adv < 0
+        dual = (adv < 0) & (pg > bound)
+        pg = torch.where(dual, bound, pg)  # constant there: no gradient
+    else:
+        dual = torch.zeros_like(active)
+    pg = pg * is_weight
     clip_low = (active & (ratio < 1.0 - config.eps_low)).float()
     clip_high = (active & (ratio > 1.0 + config.eps_high)).float()
 
@@ -318,6 +339,7 @@ def policy_loss(
             "clip_low_frac": (w * clip_low).sum(),
             "clip_high_frac": (w * clip_high).sum(),
             "tis_trunc_frac": (w * truncated).sum(),
+            "clip_dual_frac": (w * dual.float()).sum(),
             "ratio_mean": (w * behaviour_ratio).sum(),
             "weight_sum": w.sum(),
             "num_targets": torch.tensor(float(n)),

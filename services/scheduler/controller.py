@@ -258,6 +258,8 @@ class JobController:
                                                 entropy_coef=o.entropy_coef, temperature=a.temperature)
         if o.tis_cap is not None:
             objective.tis_cap = o.tis_cap
+        if o.dual_clip is not None:
+            objective.dual_clip = o.dual_clip
         optim = trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay,
                                         max_grad_norm=a.max_grad_norm)
         return trainer_pb2.TrainerJobSpec(

@@ -97,6 +97,7 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
 
 _ALGORITHM_UNSET_IS_DEFAULT = ("learning_rate", "clip_high", "max_grad_norm", "temperature", "loss_aggregation",
                                "advantage_eps")
+_ALGORITHM_OPTIONAL = ("dual_clip",)
 
 
 def algorithm_from_proto(p: scheduler_pb2.Algorithm) -> Algorithm:
@@ -104,6 +105,9 @@ def algorithm_from_proto(p: scheduler_pb2.Algorithm) -> Algorithm:
     values = {f: getattr(p, f) for f in (x.name for x in fields(Algorithm))}
     for name in _ALGORITHM_UNSET_IS_DEFAULT:
         if not values[name]:
+            del values[name]
+    for name in _ALGORITHM_OPTIONAL:  # fields with presence: absent (an older client) = the default
+        if not p.HasField(name):
             del values[name]
     return Algorithm(**values)
 

@@ -50,7 +50,7 @@ def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
     from services.algorithm import ObjectiveConfig
 
     o = spec.objective
-    obj: dict[str, Any] = {k: v for k in ("eps_low", "eps_high", "tis_cap", "kl_coef", "entropy_coef")
+    obj: dict[str, Any] = {k: v for k in ("eps_low", "eps_high", "tis_cap", "kl_coef", "entropy_coef", "dual_clip")
                            if (v := _opt(o, k)) is not None}
     p = spec.optim
     opt: dict[str, Any] = {k: v for k in ("lr", "weight_decay", "max_grad_norm") if (v := _opt(p, k)) is not None}
@@ -93,6 +93,8 @@ def job_to_proto(job: TrainerJob) -> trainer_pb2.TrainerJobSpec:
                                             temperature=job.temperature)
     if o.tis_cap is not None:
         objective.tis_cap = o.tis_cap
+    if o.dual_clip is not None:
+        objective.dual_clip = o.dual_clip
     optim = trainer_pb2.OptimParams(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], weight_decay=p.weight_decay,
                                     max_grad_norm=p.max_grad_norm)
     return trainer_pb2.TrainerJobSpec(

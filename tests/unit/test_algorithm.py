@@ -15,11 +15,12 @@ from services.scheduler.jobs import JobSpec
 
 def test_the_job_section_validates_and_maps_to_the_trainers_loss() -> None:
     a = Algorithm(clip_low=0.1, clip_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0,
-                  normalize_advantages=True, advantage_eps=1e-4)
+                  normalize_advantages=True, advantage_eps=1e-4, dual_clip=0.0)
     assert a.objective() == ObjectiveConfig(eps_low=0.1, eps_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0)
     assert Algorithm().objective().tis_cap is None  # 0 = off
+    assert Algorithm().objective().dual_clip == 3.0  # on by default (verl's clip_ratio_c)
     for bad, why in [({"advantage_eps": 0.0}, "advantage_eps"), ({"loss_aggregation": "sum"}, "loss_aggregation"),
-                     ({"clip_low": 1.0}, "clip_low")]:
+                     ({"clip_low": 1.0}, "clip_low"), ({"dual_clip": 1.0}, "dual_clip")]:
         with pytest.raises(ValueError, match=why):
             Algorithm(**bad)  # type: ignore[arg-type]
     # through the job API's proto: the new fields round-trip, an unset eps reads as the default
@@ -31,6 +32,9 @@ def test_the_job_section_validates_and_maps_to_the_trainers_loss() -> None:
     msg = spec_to_proto(spec).algorithm
     msg.advantage_eps = 0.0
     assert algorithm_from_proto(msg).advantage_eps == Algorithm().advantage_eps
+    assert algorithm_from_proto(msg).dual_clip == 0.0  # set to 0: off, kept
+    msg.ClearField("dual_clip")  # a client that predates the field: the default
+    assert algorithm_from_proto(msg).dual_clip == Algorithm().dual_clip == 3.0
 
 
 def test_aggregation_weights_add_up_to_the_mean_over_executions() -> None:
@@ -46,3 +50,15 @@ def test_aggregation_weights_add_up_to_the_mean_over_executions() -> None:
 def test_the_module_imports_neither_torch_nor_numpy() -> None:
     code = "import sys, services.algorithm; assert not {'torch', 'numpy'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_dual_clip_reaches_the_trainer() -> None:
+    """The job's dual clip travels in the trainer's job spec; a spec without it (an older scheduler)
+    means off, as before the field existed."""
+    from protos.gyre.v1 import trainer_pb2
+    from services.trainer.job import TrainerJob
+    from services.trainer.wire import job_from_proto, job_to_proto
+
+    job = TrainerJob(job_id="d", source="synthetic", objective=Algorithm().objective())
+    assert job_from_proto(job_to_proto(job)).objective.dual_clip == 3.0
+    assert job_from_proto(trainer_pb2.TrainerJobSpec(job_id="d", source="synthetic")).objective.dual_clip is None

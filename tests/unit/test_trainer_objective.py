@@ -44,6 +44,29 @@ def test_clipped_ppo_matches_hand_computation() -> None:
     assert s["weight_sum"].item() == pytest.approx(1.0) and s["num_targets"].item() == 4
 
 
+def test_dual_clip_caps_a_negative_advantage_tokens_loss() -> None:
+    """A stale token the trainer likes 466x more than the engine that sampled it (seen at the first
+    off-policy step of an elastic run), with a negative advantage: plain PPO's loss is 466 * |A|
+    with a gradient as large; the dual clip caps it at c * |A| with none. Other tokens as before."""
+    logp = torch.tensor([math.log(0.466), math.log(0.3), math.log(0.2)], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([math.log(0.001), math.log(0.2), math.log(0.4)], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64)
+    w = torch.full((3,), 1 / 3, dtype=torch.float64)
+    plain = policy_loss(logp, old, adv, w, config=ObjectiveConfig())
+    plain.loss.backward()
+    assert logp.grad is not None and logp.grad[0].item() == pytest.approx(466.0 / 3, rel=1e-6)
+    logp.grad = None
+    dual = policy_loss(logp, old, adv, w, config=ObjectiveConfig(dual_clip=3.0))
+    # token 0: r=466 -> capped at 3; token 1: r=1.5 (< 3) -> 1.5 as in PPO; token 2: r=0.5 -> clip-low 0.8
+    assert dual.loss.item() == pytest.approx((3.0 + 1.5 + 0.8) / 3, abs=1e-6)
+    dual.loss.backward()
+    torch.testing.assert_close(logp.grad.float(), torch.tensor([0.0, 1.5 / 3, 0.0]), atol=1e-6, rtol=0)
+    assert dual.sums["clip_dual_frac"].item() == pytest.approx(1 / 3)
+    assert plain.sums["clip_dual_frac"].item() == 0.0
+    with pytest.raises(ValueError, match="dual_clip"):
+        ObjectiveConfig(dual_clip=1.0)
+
+
 def test_truncated_importance_sampling_matches_hand_computation() -> None:
     logp, old, adv, w = _inputs()
     out = policy_loss(logp, old, adv, w, config=ObjectiveConfig(tis_cap=1.5))
