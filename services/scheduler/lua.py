@@ -311,14 +311,15 @@ if done < size then return {-4, done, size} end
 local version = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'current_step', step + 1, 'weight_version', version, 'training_step', -1,
            'updated_ms', now)
+local trained = {'step', step, 'weight_version', version}
 if tonumber(ARGV[7] or '0') > 0 and tonumber(ARGV[8] or '0') > 0 then
   -- what the update measured (tokens, compute seconds, world size): the policy's cost model
   redis.call('HSET', KEYS[1], 'train:' .. step, ARGV[7] .. ' ' .. ARGV[8] .. ' ' .. ARGV[9])
-  xadd(KEYS[2], ARGV[5], now, 'step_trained', 'step', step, 'weight_version', version, 'trained_tokens', ARGV[7],
-       'compute_s', ARGV[8], 'world_size', ARGV[9])
-else
-  xadd(KEYS[2], ARGV[5], now, 'step_trained', 'step', step, 'weight_version', version)
+  for _, v in ipairs({'trained_tokens', ARGV[7], 'compute_s', ARGV[8], 'world_size', ARGV[9]}) do
+    trained[#trained + 1] = v
+  end
 end
+xadd(KEYS[2], ARGV[5], now, 'step_trained', unpack(trained))
 if step + 1 >= tonumber(nsteps) and redis.call('HGET', KEYS[1], 'hold_completion') == '1' then
   -- the job controller completes it after the final evaluation
   redis.call('HSET', KEYS[1], 'training_done', 1)

@@ -122,16 +122,11 @@ class HarnessesServicer(scheduler_pb2_grpc.HarnessesServicer):
         return pb.ReleaseHarnessResponse(execution_ids=self.api.release_harness(request.harness_id, request.reason))
 
 
-class FormerWorkerServicer(scheduler_pb2_grpc.WorkerServicer):
-    """``Worker``, the former name of ``Harnesses``: the same methods, answered by ``HarnessesServicer``
-    (a harness of 0.x keeps working against this scheduler)."""
+class FormerWorkerServicer(HarnessesServicer, scheduler_pb2_grpc.WorkerServicer):
+    """``Worker``, the former name of ``Harnesses``: the same methods (a harness of 0.x keeps working
+    against this scheduler), ``ReleaseWorker`` being ``ReleaseHarness``."""
 
-    def __init__(self, harnesses: HarnessesServicer) -> None:
-        self.LeaseExecution = harnesses.LeaseExecution  # type: ignore[method-assign]
-        self.Heartbeat = harnesses.Heartbeat  # type: ignore[method-assign]
-        self.CompleteExecution = harnesses.CompleteExecution  # type: ignore[method-assign]
-        self.MintSession = harnesses.MintSession  # type: ignore[method-assign]
-        self.ReleaseWorker = harnesses.ReleaseHarness  # type: ignore[method-assign]
+    ReleaseWorker = HarnessesServicer.ReleaseHarness
 
 
 class CellsServicer(scheduler_pb2_grpc.CellsServicer):
@@ -164,10 +159,9 @@ class CellsServicer(scheduler_pb2_grpc.CellsServicer):
 
 def registrations(api: SchedulerApi) -> list[Registration]:
     """(add_*_to_server, servicer) pairs for ``build_server``."""
-    harnesses = HarnessesServicer(api)
     return [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(api)),
-            (scheduler_pb2_grpc.add_HarnessesServicer_to_server, harnesses),
-            (scheduler_pb2_grpc.add_WorkerServicer_to_server, FormerWorkerServicer(harnesses)),
+            (scheduler_pb2_grpc.add_HarnessesServicer_to_server, HarnessesServicer(api)),
+            (scheduler_pb2_grpc.add_WorkerServicer_to_server, FormerWorkerServicer(api)),
             (scheduler_pb2_grpc.add_CellsServicer_to_server, CellsServicer(api))]
 
 

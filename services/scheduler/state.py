@@ -383,8 +383,8 @@ class SchedulerState:
         k = self.keys
         res = self._run("REPORT_TRAINING", [k.job(job_id), k.events(job_id), k.active],
                         [step, phase, weight_version, self.now_ms(), self.event_maxlen, job_id,
-                         f"{measured.tokens:.0f}" if measured else "0", f"{measured.compute_s:.4f}" if measured else "0",
-                         measured.world_size if measured else 0])
+                         *((f"{measured.tokens:.0f}", f"{measured.compute_s:.4f}", measured.world_size)
+                           if measured else ("0", "0", 0))])
         code = res[0]
         if code == -1:
             raise NotFound(f"job {job_id!r} does not exist")
