@@ -238,6 +238,7 @@ class ObjectiveConfig:
 SUM_METRICS: tuple[str, ...] = (
     "loss", "pg_loss", "kl", "mismatch_kl", "entropy", "clip_frac", "clip_low_frac",
     "clip_high_frac", "tis_trunc_frac", "ratio_mean", "weight_sum", "num_targets", "clip_dual_frac",
+    "mismatch_kl_fresh", "fresh_weight",
 )
 
 
@@ -246,13 +247,16 @@ class ObjectiveOutput:
     """The differentiable loss plus detached metrics.
 
     ``sums`` maps each name of SUM_METRICS to sum_i w_i * x_i (``num_targets`` and ``weight_sum``
-    are plain counts/sums); ``ratio_max``/``ratio_min`` are extrema over the micro-batch.
+    are plain counts/sums; ``mismatch_kl_fresh`` and ``fresh_weight`` sum over the fresh targets
+    only); ``ratio_max``/``ratio_min`` are extrema over the micro-batch and ``fresh_logp_dev`` the
+    largest |trainer - behaviour| log-prob gap of a fresh target (0 without one).
     """
 
     loss: torch.Tensor
     sums: dict[str, torch.Tensor]
     ratio_max: torch.Tensor
     ratio_min: torch.Tensor
+    fresh_logp_dev: torch.Tensor
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -271,14 +275,20 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     proximal_logprobs: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
-    """The weighted clipped policy-gradient loss of one micro-batch's targets (part 3 of the module doc)."""
+    """The weighted clipped policy-gradient loss of one micro-batch's targets (part 3 of the module doc).
+
+    ``fresh`` (bool per target): sampled by the very weights the trainer holds, so its log-prob gap
+    to the behaviour policy is the engine's numerical mismatch alone, without staleness; only the
+    metrics use it (None: no target is fresh)."""
     import torch
 
     n = logprobs.shape[0]
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages),
                     ("loss_weights", loss_weights), ("entropy", entropy),
-                    ("ref_logprobs", ref_logprobs), ("proximal_logprobs", proximal_logprobs)):
+                    ("ref_logprobs", ref_logprobs), ("proximal_logprobs", proximal_logprobs),
+                    ("fresh", fresh)):
         if t is not None and t.shape != (n,):
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({n},) like logprobs")
     if config.entropy_coef > 0 and entropy is None:
@@ -328,12 +338,18 @@ def policy_loss(
 
     with torch.no_grad():
         behaviour_ratio = torch.exp(logp.detach() - old)
+        mismatch = k3_kl(logp.detach(), old)
+        fw = w * fresh.float() if fresh is not None else torch.zeros_like(w)
+        if fresh is not None and bool(fresh.any()):
+            fresh_dev = (logp.detach() - old).abs()[fresh].max()
+        else:
+            fresh_dev = torch.tensor(0.0)
         sums = {
             "loss": loss.detach(),
             "pg_loss": (w * pg.detach()).sum(),
             "kl": (w * kl.detach()).sum(),
             # k3 KL between the trainer and the behaviour policy: engine mismatch + staleness.
-            "mismatch_kl": (w * k3_kl(logp.detach(), old)).sum(),
+            "mismatch_kl": (w * mismatch).sum(),
             "entropy": (w * ent.detach()).sum(),
             "clip_frac": (w * active.float()).sum(),
             "clip_low_frac": (w * clip_low).sum(),
@@ -343,9 +359,11 @@ def policy_loss(
             "ratio_mean": (w * behaviour_ratio).sum(),
             "weight_sum": w.sum(),
             "num_targets": torch.tensor(float(n)),
+            "mismatch_kl_fresh": (fw * mismatch).sum(),
+            "fresh_weight": fw.sum(),
         }
         if n:
             ratio_max, ratio_min = behaviour_ratio.max(), behaviour_ratio.min()
         else:
             ratio_max, ratio_min = torch.tensor(-math.inf), torch.tensor(math.inf)
-    return ObjectiveOutput(loss=loss, sums=sums, ratio_max=ratio_max, ratio_min=ratio_min)
+    return ObjectiveOutput(loss=loss, sums=sums, ratio_max=ratio_max, ratio_min=ratio_min, fresh_logp_dev=fresh_dev)

@@ -45,6 +45,7 @@ class StepStats:
     staleness_hist: np.ndarray = field(default_factory=lambda: np.zeros(len(STALENESS_EDGES)))
     ratio_max: float = -math.inf
     ratio_min: float = math.inf
+    fresh_logp_dev: float = 0.0  # largest |trainer - behaviour| log-prob gap of a fresh target
 
     def vector(self) -> torch.Tensor:
         """The additive part as one float64 tensor (order fixed by SUM_METRICS/_COUNTS)."""
@@ -59,8 +60,8 @@ class StepStats:
         self.staleness_hist = np.asarray(v[ns + nc:])
 
     def extrema(self) -> torch.Tensor:
-        """[max ratio, -min ratio]: reduce with MAX."""
-        return torch.tensor([self.ratio_max, -self.ratio_min], dtype=torch.float64)
+        """[max ratio, -min ratio, max fresh log-prob gap]: reduce with MAX."""
+        return torch.tensor([self.ratio_max, -self.ratio_min, self.fresh_logp_dev], dtype=torch.float64)
 
     def merge(self, vec: torch.Tensor, extrema: torch.Tensor) -> None:
         """Add another replica's additive stats and extrema (a mid-step hand-off)."""
@@ -68,8 +69,13 @@ class StepStats:
         self.load_extrema(torch.maximum(self.extrema(), extrema.to(torch.float64)))
 
     def load_extrema(self, vec: torch.Tensor) -> None:
-        self.ratio_max, neg_min = vec.tolist()
+        self.ratio_max, neg_min, self.fresh_logp_dev = vec.tolist()
         self.ratio_min = -neg_min
+
+    def add_extrema(self, ratio_max: float, ratio_min: float, fresh_logp_dev: float) -> None:
+        self.ratio_max = max(self.ratio_max, ratio_max)
+        self.ratio_min = min(self.ratio_min, ratio_min)
+        self.fresh_logp_dev = max(self.fresh_logp_dev, fresh_logp_dev)
 
     def as_dict(self) -> dict[str, float]:
         """Step-level metrics: the weighted sums already are per-execution means (weights sum to 1)."""
@@ -77,6 +83,13 @@ class StepStats:
         out.update({k: float(v) for k, v in self.counts.items()})
         out["ratio_max"] = self.ratio_max
         out["ratio_min"] = self.ratio_min
+        # the mismatch split: fresh targets (sampled by the weights trained) show the engine's own
+        # numerical gap to the trainer; stale ones add the policy's change since they were sampled
+        fw, fresh_kl = out.pop("fresh_weight"), out.pop("mismatch_kl_fresh")
+        sw = out["weight_sum"] - fw
+        out["mismatch_kl_fresh"] = fresh_kl / fw if fw > 0 else 0.0
+        out["mismatch_kl_stale"] = (out["mismatch_kl"] - fresh_kl) / sw if sw > 1e-12 else 0.0
+        out["fresh_logp_dev_max"] = self.fresh_logp_dev
         total = float(self.staleness_hist.sum())
         for label, c in zip(STALENESS_LABELS, self.staleness_hist):
             out[f"staleness_{label}"] = float(c)
@@ -144,7 +157,7 @@ class Learner:
                 with torch.no_grad():
                     ref, _ = self.ref_policy.target_logprobs(t)
         out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
-                          entropy=ent, ref_logprobs=ref)
+                          entropy=ent, ref_logprobs=ref, fresh=t.weight_version == self.version)
         if commit is not None and not commit():
             self.compute_s += time.perf_counter() - start
             return False
@@ -156,8 +169,7 @@ class Learner:
         s.counts["tokens"] += t.num_tokens
         s.counts["micro_batches"] += 1
         s.staleness_hist = s.staleness_hist + staleness_counts(staleness(batch, self.version))
-        s.ratio_max = max(s.ratio_max, float(out.ratio_max))
-        s.ratio_min = min(s.ratio_min, float(out.ratio_min))
+        s.add_extrema(float(out.ratio_max), float(out.ratio_min), float(out.fresh_logp_dev))
         return True
 
     def _train_chunked(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool] | None,
@@ -171,14 +183,16 @@ class Learner:
             with torch.no_grad(), torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
                 ref, _ = self.ref_policy.target_logprobs(t)  # no graph: activations of one layer at a time
         sums: dict[str, float] = {}
-        extrema = [-math.inf, math.inf]
+        extrema = [-math.inf, math.inf, 0.0]
+        fresh = t.weight_version == self.version
 
         def loss_of(lp: torch.Tensor, ent: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
             out = policy_loss(lp, t.old_logprobs[sel], t.advantages[sel], t.loss_weights[sel], config=self.objective,
-                              entropy=ent, ref_logprobs=None if ref is None else ref[sel])
+                              entropy=ent, ref_logprobs=None if ref is None else ref[sel], fresh=fresh[sel])
             for k, v in out.sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             extrema[0], extrema[1] = max(extrema[0], float(out.ratio_max)), min(extrema[1], float(out.ratio_min))
+            extrema[2] = max(extrema[2], float(out.fresh_logp_dev))
             return out.loss
 
         with torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
@@ -192,8 +206,7 @@ class Learner:
         s.counts["tokens"] += t.num_tokens
         s.counts["micro_batches"] += 1
         s.staleness_hist = s.staleness_hist + staleness_counts(staleness(batch, self.version))
-        s.ratio_max = max(s.ratio_max, extrema[0])
-        s.ratio_min = min(s.ratio_min, extrema[1])
+        s.add_extrema(*extrema)
         return True
 
     # -- gradient buffers for the all-reduce ------------------------------------------------------

@@ -24,6 +24,12 @@ STEP_GAUGES: dict[str, Gauge] = {
         ("clip_frac", "Fraction (weighted) of target tokens whose ratio was clipped, last step."),
         ("kl", "k3 KL against the reference (or behaviour) policy, last step."),
         ("mismatch_kl", "k3 KL between trainer and behaviour policy (engine mismatch + staleness)."),
+        ("mismatch_kl_fresh", "k3 KL between trainer and engine on targets sampled by the weights trained: the "
+                              "engine's own numerical mismatch, last step."),
+        ("mismatch_kl_stale", "k3 KL between trainer and behaviour policy on targets sampled by older weights, "
+                              "last step."),
+        ("fresh_logp_dev_max", "Largest |trainer - engine| log-prob gap of a target sampled by the weights "
+                               "trained, last step."),
         ("tis_trunc_frac", "Fraction (weighted) of targets whose TIS weight was truncated, last step."),
         ("tokens_per_s", "Packed tokens trained per second of step wall time, last step."),
         ("train_tokens_per_s", "The core's tokens trained per second of its training time (waits for rollouts "

@@ -67,6 +67,39 @@ def test_dual_clip_caps_a_negative_advantage_tokens_loss() -> None:
         ObjectiveConfig(dual_clip=1.0)
 
 
+def test_mismatch_splits_into_the_engines_gap_and_staleness() -> None:
+    """Fresh targets (sampled by the weights being trained) measure the engine's own gap to the
+    trainer; the rest add the policy's change since they were sampled. Both are weighted means over
+    their own targets, and the step's statistics carry them through the all-reduce."""
+    from services.trainer.learner import StepStats
+
+    logp, old, adv, w = _inputs()
+    fresh = torch.tensor([True, True, False, False])
+    out = policy_loss(logp, old, adv, w, config=ObjectiveConfig(), fresh=fresh)
+    k3 = [q / p - math.log(q / p) - 1 for p, q in zip(P, Q)]
+    s = out.sums
+    assert s["mismatch_kl_fresh"].item() == pytest.approx(0.25 * (k3[0] + k3[1]), abs=1e-6)
+    assert s["fresh_weight"].item() == pytest.approx(0.5)
+    assert out.fresh_logp_dev.item() == pytest.approx(abs(math.log(P[0] / Q[0])), abs=1e-6)
+    stats = StepStats()
+    for k, v in s.items():
+        stats.sums[k] += float(v)
+    stats.add_extrema(float(out.ratio_max), float(out.ratio_min), float(out.fresh_logp_dev))
+    other = StepStats()  # a replica's share: one fresh target with a larger gap
+    other.add_extrema(1.0, 1.0, 3.0)
+    stats.merge(other.vector(), other.extrema())
+    d = stats.as_dict()
+    assert d["mismatch_kl_fresh"] == pytest.approx((k3[0] + k3[1]) / 2, abs=1e-6)
+    assert d["mismatch_kl_stale"] == pytest.approx((k3[2] + k3[3]) / 2, abs=1e-6)
+    assert d["fresh_logp_dev_max"] == pytest.approx(3.0)
+    assert "fresh_weight" not in d
+    # no target fresh: the fresh figures are 0, the stale ones all of the mismatch
+    none = policy_loss(logp, old, adv, w, config=ObjectiveConfig())
+    assert none.sums["fresh_weight"].item() == 0.0 and none.fresh_logp_dev.item() == 0.0
+    with pytest.raises(ValueError, match="fresh"):
+        policy_loss(logp, old, adv, w, config=ObjectiveConfig(), fresh=torch.ones(3, dtype=torch.bool))
+
+
 def test_truncated_importance_sampling_matches_hand_computation() -> None:
     logp, old, adv, w = _inputs()
     out = policy_loss(logp, old, adv, w, config=ObjectiveConfig(tis_cap=1.5))
