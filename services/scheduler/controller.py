@@ -39,6 +39,7 @@ from prometheus_client import Histogram
 from services.common.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
+from services.scheduler.costs import StepProgress
 from services.scheduler.jobs import EventKind, JobSpec, JobState, JobStatus, eval_job_id
 from services.scheduler.state import SchedulerState, eval_execution_id
 from services.scheduler.tasks import heldout_payloads
@@ -50,6 +51,7 @@ DRIVE_SECONDS = Histogram("gyre_scheduler_controller_seconds", "One job controll
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 TRAINER_CHECK_S = 5.0  # how often a running job's trainer is checked
+STEP_PROGRESS_TIMEOUT_S = 2.0  # an elastic decision waits no longer for the trajectory service's count
 MAX_TRAINER_STARTS = 5  # StartJob attempts for one job before it fails (a trainer that keeps failing)
 UNSCORED_GRACE_S = 120.0  # an ended evaluation execution without a score after this long counts as 0
 ERROR_EVENT_EVERY_S = 30.0
@@ -154,6 +156,18 @@ class JobController:
             if self.state.set_job_state(job.job_id, JobState.RUNNING, JobState.COMPLETED,
                                         "all steps trained and evaluated"):
                 log.info("job completed", job_id=job.job_id, weight_version=job.weight_version)
+
+    def step_progress(self, job_id: str, step: int) -> StepProgress | None:
+        """How much of ``step``'s update is packed and trained (the trajectory service's count), or
+        None when the service cannot answer now (the caller then estimates without it)."""
+        if self.trajectory is None:
+            return None
+        try:
+            plan = self.trajectory.step_plan(job_id, step, timeout_s=STEP_PROGRESS_TIMEOUT_S)
+        except GyreError as exc:
+            log.debug("step progress unavailable", job_id=job_id, step=step, error=str(exc))
+            return None
+        return StepProgress(packed_tokens=plan.num_tokens, trained_tokens=plan.acked_tokens, sealed=plan.sealed)
 
     def ready(self, job: JobStatus) -> bool:
         """Whether the job's rollouts may be enqueued (its services were prepared)."""

@@ -28,8 +28,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SwitchCosts", "TrainSample", "SwitchSample", "estimate", "DEFAULT_ROLLOUT_TO_TRAIN_S",
-           "DEFAULT_TRAIN_TO_ROLLOUT_S"]
+__all__ = ["SwitchCosts", "TrainSample", "SwitchSample", "StepProgress", "estimate", "train_left_tokens",
+           "DEFAULT_ROLLOUT_TO_TRAIN_S", "DEFAULT_TRAIN_TO_ROLLOUT_S"]
 
 # Priors until a switch of that direction was timed: `make run`'s medians on the built-in model.
 DEFAULT_ROLLOUT_TO_TRAIN_S = 3.0
@@ -57,6 +57,28 @@ class SwitchSample:
 
     to_train: bool  # rollout (or idle) -> train; else train -> rollout
     seconds: float
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """How far the update of a step has come, as the trajectory service counts it."""
+
+    packed_tokens: int  # in the micro-batches made so far (every one of them once ``sealed``)
+    trained_tokens: int  # in the micro-batches the trainer acknowledged
+    sealed: bool  # no micro-batch will be added
+
+
+def train_left_tokens(per_step_tokens: float, ended_share: float, progress: StepProgress | None) -> float:
+    """The training work an update has left that more TRAIN cells could share, tokens.
+
+    Without progress it is a whole update (``per_step_tokens``, the median of the measured ones)
+    scaled by the share of the step's executions that ended. With progress, what the trainer has
+    trained is taken off, and once the step is sealed its packed tokens are the exact total."""
+    expected = per_step_tokens * min(1.0, max(0.0, ended_share))
+    if progress is None:
+        return expected
+    total = progress.packed_tokens if progress.sealed else max(progress.packed_tokens, expected)
+    return max(0.0, total - progress.trained_tokens)
 
 
 @dataclass(frozen=True)

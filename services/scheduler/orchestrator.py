@@ -41,7 +41,7 @@ from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.scheduler.controller import JobController
-from services.scheduler.costs import SwitchCosts, estimate
+from services.scheduler.costs import StepProgress, SwitchCosts, estimate, train_left_tokens
 from services.scheduler.jobs import CellRecord, EventKind, JobState, JobStatus
 from services.common.roles import CellRole
 from services.scheduler.policy import Action, CellView, ClusterView, Mode, decide, may_start
@@ -95,7 +95,8 @@ class Orchestrator:
                  switch_timeout_s: float = 600.0, switch_workers: int = 8,
                  metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0,
                  timeout_scorer: TimeoutScorer | None = None, controller: JobController | None = None,
-                 usage: Callable[[str], Mapping[str, Any] | None] | None = None) -> None:
+                 usage: Callable[[str], Mapping[str, Any] | None] | None = None,
+                 step_progress: Callable[[str, int], StepProgress | None] | None = None) -> None:
         self.state = state
         # what the gateway served for a job (GatewayClient.job_usage): its calls, tokens and context
         # go into the job's 'metrics' events (gyre watch shows them); None: no gateway to ask
@@ -106,6 +107,9 @@ class Orchestrator:
         self.controller = controller
         if controller is not None:
             controller.before_complete = self.last_metrics_event
+        # how much of a step's update is packed and trained (the trajectory service's count, which
+        # the controller asks for); None: the work left is estimated from the executions that ended
+        self.step_progress = step_progress or (controller.step_progress if controller is not None else None)
         self.actuator = actuator
         self.timeout_scorer = timeout_scorer
         self._scoring: Future[None] | None = None
@@ -323,8 +327,9 @@ class Orchestrator:
 
     def costs(self, job: JobStatus, num_cells: int) -> SwitchCosts | None:
         """What switches cost and buy, measured on this cluster (elastic jobs only; None until the
-        job's first update was measured). The work the update has left is its steps' median tokens
-        scaled by the share of the step's executions that ended: what more TRAIN cells could share."""
+        job's first update was measured). The work the update has left (what more TRAIN cells could
+        share) is ``costs.train_left_tokens``: the steps' median tokens scaled by the share of the
+        step's executions that ended, less what the trainer has already trained of it."""
         if job.spec.mode is not Mode.ELASTIC:
             return None
         train = self.state.train_samples(job.job_id, job.current_step)
@@ -332,7 +337,9 @@ class Orchestrator:
             return None
         per_step = statistics.median(s.tokens for s in train)
         ended = min(1.0, job.done_in_step / job.spec.step_size) if job.spec.step_size else 1.0
-        return estimate(train, self.state.switch_samples(), max_cells=num_cells, train_left_tokens=per_step * ended)
+        progress = self.step_progress(job.job_id, job.current_step) if self.step_progress is not None else None
+        return estimate(train, self.state.switch_samples(), max_cells=num_cells,
+                        train_left_tokens=train_left_tokens(per_step, ended, progress))
 
     # ---------------------------------------------------------------- switches
 

@@ -471,7 +471,8 @@ class TrajectoryApi:
         _, _, acked = st.queue.counts()
         trained = sum(1 for o in st.outcomes.values() if o.trained)
         return StepPlan(st.job_id, st.step, self._denominator(st), len(st.outcomes), trained, st.next_batch, acked, st.spec.sealed,
-                        st.queue.done, self._budget(st), st.num_tokens, st.context_tokens, st.spec.group_size)
+                        st.queue.done, self._budget(st), st.num_tokens, st.context_tokens, st.spec.group_size,
+                        st.queue.acked_tokens())
 
     # ================================================================= trainer side
     def stream(self, job: str, step: int, consumer: str, token_budget: int = 0, *,

@@ -140,8 +140,9 @@ class TrajectoryClient(GrpcClient):
     def close_step(self, job_id: str, step: int) -> StepPlan:
         return plan_from_proto(self._call(self._stub.CloseStep, trajectory_pb2.StepRef(job_id=job_id, step=step)))
 
-    def step_plan(self, job_id: str, step: int) -> StepPlan:
-        return plan_from_proto(self._call(self._stub.GetStepPlan, trajectory_pb2.StepRef(job_id=job_id, step=step)))
+    def step_plan(self, job_id: str, step: int, *, timeout_s: float | None = None) -> StepPlan:
+        return plan_from_proto(self._call(self._stub.GetStepPlan, trajectory_pb2.StepRef(job_id=job_id, step=step),
+                                          timeout_s))
 
     # ----------------------------------------------------------------- trainer replicas
     def stream_batches(self, job_id: str, step: int, consumer_id: str, *, token_budget: int = 0) -> BatchStream:

@@ -40,6 +40,7 @@ class StepPlan:
     num_tokens: int
     context_tokens: int
     group_size: int
+    acked_tokens: int = 0  # tokens in the acknowledged micro-batches
 
 
 class Done:
@@ -165,3 +166,8 @@ class StepQueue:
         """(pending, leased, acked)."""
         with self.cond:
             return len(self._pending), len(self._leases), len(self.acked)
+
+    def acked_tokens(self) -> int:
+        """Tokens in the acknowledged batches (what the trainer has trained of the step)."""
+        with self.cond:
+            return sum(self.metas[b].num_tokens for b in self.acked if b in self.metas)

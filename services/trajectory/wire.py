@@ -119,9 +119,10 @@ def plan_to_proto(p: StepPlan) -> trajectory_pb2.StepPlan:
         job_id=p.job_id, step=p.step, num_executions=p.num_executions, num_completed=p.num_completed,
         num_trained=p.num_trained, num_micro_batches=p.num_micro_batches, num_acked=p.num_acked, sealed=p.sealed,
         done=p.done, token_budget=p.token_budget, num_tokens=p.num_tokens, context_tokens=p.context_tokens,
-        group_size=p.group_size)
+        group_size=p.group_size, acked_tokens=p.acked_tokens)
 
 
 def plan_from_proto(m: trajectory_pb2.StepPlan) -> StepPlan:
     return StepPlan(m.job_id, m.step, m.num_executions, m.num_completed, m.num_trained, m.num_micro_batches,
-                    m.num_acked, m.sealed, m.done, m.token_budget, m.num_tokens, m.context_tokens, m.group_size)
+                    m.num_acked, m.sealed, m.done, m.token_budget, m.num_tokens, m.context_tokens, m.group_size,
+                    m.acked_tokens)

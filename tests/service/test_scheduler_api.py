@@ -9,6 +9,7 @@ import pytest
 
 from protos.gyre.v1 import scheduler_pb2 as pb
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.scheduler.costs import StepProgress
 from services.scheduler.jobs import ExecState, JobState, Mode
 from services.common.roles import CellRole
 from services.scheduler.orchestrator import Orchestrator
@@ -338,5 +339,17 @@ def test_a_published_update_reports_what_it_measured_and_elastic_weighs_it(sched
     assert costs is not None and costs.rate(2) == pytest.approx(2000.0)
     assert costs.rate(1) == pytest.approx(1000.0)  # no world of 1 measured: extrapolated linearly
     assert "measured: 1 updates" in costs.basis
+    ended = s.client.get_job("j1").done_in_step / 4
+    assert costs.train_left_tokens == pytest.approx(12_000.0 * ended)  # no count to ask: the coarse estimate
+    asked: list[tuple[str, int]] = []
+
+    def progress(job_id: str, step: int) -> StepProgress:
+        asked.append((job_id, step))
+        return StepProgress(packed_tokens=12_000, trained_tokens=9_000, sealed=True)
+
+    counted = Orchestrator(s.state, NoActuator(), instance_id="test", metrics_event_interval_s=3600,
+                           step_progress=progress).costs(s.client.get_job("j1"), 3)
+    assert counted is not None and counted.train_left_tokens == pytest.approx(3_000.0)
+    assert asked == [("j1", s.client.get_job("j1").current_step)]
     s.client.submit_job(job_spec("j2", num_steps=1))
     assert orch.costs(s.client.get_job("j2"), 3) is None  # colocate weighs nothing

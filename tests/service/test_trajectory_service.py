@@ -168,6 +168,7 @@ def test_groups_stream_before_the_step_ends_and_weights_average_over_executions(
     assert not t.is_alive(), "the stream must end once the sealed step is fully acknowledged"
     plan = svc.client.step_plan(JOB, 0)
     assert plan.done and plan.num_acked == plan.num_micro_batches == len(got)
+    assert plan.acked_tokens == plan.num_tokens == sum(len(item.batch.input_ids) for item in got) > 0
 
     advantage = {"e0": 0.5, "e1": -0.5, "e2": -0.25, "e3": 0.25}
     total_w = 0.0
@@ -260,6 +261,7 @@ def test_restart_keeps_batches_acks_and_unreleased_groups(start) -> None:
     svc2 = start(collect_done_steps=False)
     plan = svc2.client.step_plan(JOB, 1)
     assert plan.num_micro_batches == before.num_micro_batches and plan.num_acked == 1 and not plan.sealed
+    assert plan.acked_tokens == len(got[0].batch.input_ids) > 0  # the acknowledged batch's tokens survive the restart
     svc2.client.complete_execution(outcome("r3", "g1", 0.0, step=1))
     rest: list = []
     _drain(svc2.client, 1, "c", rest)
@@ -375,3 +377,29 @@ def test_the_jobs_advantage_normalisation_reaches_the_batches(start) -> None:
             assert np.allclose(b.advantages[mine], 1.0 if eid == "n0" else -1.0, atol=1e-5)
     with pytest.raises(errors.InvalidArgument, match="advantage_eps"):
         svc.client.open_step(JOB, 1, advantage_eps=-1.0)
+
+
+def test_the_scheduler_reads_how_much_of_an_update_is_trained(start) -> None:
+    """The job controller's step progress (what elastic's work-left estimate takes off) is the
+    trajectory service's count over gRPC: packed and acknowledged tokens, sealed or not; a service
+    that cannot answer gives None, not an error."""
+    from services.scheduler.controller import JobController
+
+    svc = start()
+    controller = JobController(None, trainer=None, trajectory=svc.client,  # type: ignore[arg-type]
+                               reward=None, trajectory_address="", scheduler_address="", checkpoint_root="")
+    for i in range(2):
+        svc.client.ingest(execution(f"p{i}", 300 + i))
+    svc.client.open_step(JOB, 0, num_executions=2, group_size=2, token_budget=64)
+    progress = controller.step_progress(JOB, 0)
+    assert progress is not None and (progress.packed_tokens, progress.trained_tokens, progress.sealed) == (0, 0, False)
+    svc.client.complete_execution(outcome("p0", "g", 1.0))
+    svc.client.complete_execution(outcome("p1", "g", 0.0))
+    got: list = []
+    _drain(svc.client, 0, "c", got, limit=1)
+    progress = controller.step_progress(JOB, 0)
+    plan = svc.client.step_plan(JOB, 0)
+    assert progress is not None and progress.sealed and progress.packed_tokens == plan.num_tokens > 0
+    assert progress.trained_tokens == len(got[0].batch.input_ids) == plan.acked_tokens
+    svc.server.stop(0)  # the service gone: no count, and no error for the scheduler's tick
+    assert controller.step_progress(JOB, 0) is None

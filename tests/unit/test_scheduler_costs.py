@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.roles import CellRole
-from services.scheduler.costs import (DEFAULT_ROLLOUT_TO_TRAIN_S, DEFAULT_TRAIN_TO_ROLLOUT_S, SwitchCosts,
-                                      SwitchSample, TrainSample, estimate)
+from services.scheduler.costs import (DEFAULT_ROLLOUT_TO_TRAIN_S, DEFAULT_TRAIN_TO_ROLLOUT_S, StepProgress,
+                                      SwitchCosts, SwitchSample, TrainSample, estimate, train_left_tokens)
 from services.scheduler.policy import CellView, ClusterView, Mode, PolicyParams, decide
 
 
@@ -54,6 +54,23 @@ def test_a_short_update_is_not_worth_a_switch() -> None:
                         train_left_tokens=2_000.0)
     assert costs.gain_s(1) == pytest.approx(2.0 - 3.0)  # done before the cell would arrive
     assert not costs.worth_freeing(1)
+
+
+def test_the_work_left_takes_off_what_the_trainer_already_trained() -> None:
+    """Half the executions ended of a 12K-token update: 6K to share without a count; with the
+    trajectory service's count, what is trained is taken off, and a sealed step's packed tokens are
+    the exact total. Near an update's end, freeing a cell for it no longer pays."""
+    assert train_left_tokens(12_000.0, 0.5, None) == pytest.approx(6_000.0)
+    assert train_left_tokens(12_000.0, 0.5, StepProgress(4_000, 1_000, sealed=False)) == pytest.approx(5_000.0)
+    assert train_left_tokens(12_000.0, 0.5, StepProgress(8_000, 1_000, sealed=False)) == pytest.approx(7_000.0)
+    assert train_left_tokens(12_000.0, 1.0, StepProgress(10_000, 9_000, sealed=True)) == pytest.approx(1_000.0)
+    assert train_left_tokens(12_000.0, 1.0, StepProgress(10_000, 10_000, sealed=True)) == 0.0
+    rates, switches = samples((1, 500.0), (2, 1000.0)), [SwitchSample(True, 1.0), SwitchSample(False, 1.0)]
+    early = estimate(rates, switches, max_cells=3, train_left_tokens=train_left_tokens(12_000.0, 1.0, None))
+    late = estimate(rates, switches, max_cells=3,
+                    train_left_tokens=train_left_tokens(12_000.0, 1.0, StepProgress(12_000, 11_000, sealed=True)))
+    assert early is not None and late is not None
+    assert early.worth_freeing(1) and not late.worth_freeing(1)
 
 
 def test_bad_costs_are_refused() -> None:
