@@ -1,4 +1,5 @@
-"""``gyre run --compare [--seeds N]``: the three scheduling modes on the same seed, config and time budget.
+"""``gyre run --compare [--seeds N] [--vary FIELD=A,B,...]``: the three scheduling modes (or the values of
+one job field) on the same seed, config and time budget.
 
 Each mode is a full `run_job` (own stack, own Redis); the comparison reports, per mode, the
 wall-clock until the held-out pass rate first reached a common target (the lowest final pass rate
@@ -10,6 +11,12 @@ With ``--seeds N`` every mode runs N times (the job's seed, seed + 1, ...) and t
 per mode, the held-out pass rate at each step every run evaluated (equal steps), the last one and
 the wall time as mean, min, max and std over the seeds, and whether elastic's mean last pass rate
 lies within colocate's spread (the condition for elastic's speed-up to count).
+
+With ``--vary FIELD=A,B,...`` the job runs in its own mode once per value of one job field (any
+``gyre run`` job flag, e.g. ``--vary timeout-policy=partial,zero`` or
+``--vary algorithm.learning-rate=1e-3,3e-4``) instead of once per mode: an ablation on equal seeds.
+Over seeds it adds, for each later value, how its mean last held-out pass rate differs from the
+first value's and whether it lies outside the first value's spread.
 """
 
 from __future__ import annotations
@@ -60,10 +67,12 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def across_seeds(rows: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Per mode, over seeds: the held-out pass rate at each step every seed evaluated (equal steps)
-    and the last one, and the wall time, each as a `spread`; and whether elastic's last held-out
-    pass rate lies within colocate's spread (min..max over the seeds)."""
-    modes = sorted({m for by_mode in rows.values() for m in by_mode}, key=lambda m: MODES.index(m))
+    """Per mode (or variant), over seeds: the held-out pass rate at each step every seed evaluated
+    (equal steps) and the last one, and the wall time, each as a `spread`; whether elastic's last
+    held-out pass rate lies within colocate's spread (min..max over the seeds); and for variants,
+    each later one's mean last held-out against the first's spread (``against_first``)."""
+    labels = list(dict.fromkeys(m for by_mode in rows.values() for m in by_mode))
+    modes = sorted(labels, key=MODES.index) if all(m in MODES for m in labels) else labels
     out: dict[str, Any] = {"seeds": sorted(rows), "modes": {}}
     for mode in modes:
         runs = [by_mode[mode] for by_mode in rows.values() if mode in by_mode]
@@ -79,6 +88,12 @@ def across_seeds(rows: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     if e and c and e["heldout_last"] and c["heldout_last"]:
         out["elastic_within_colocate_spread"] = \
             c["heldout_last"]["min"] <= e["heldout_last"]["mean"] <= c["heldout_last"]["max"]
+    if modes and modes[0] not in MODES and out["modes"][modes[0]]["heldout_last"]:
+        base = out["modes"][modes[0]]["heldout_last"]
+        out["against_first"] = {
+            label: {"difference": round(m["heldout_last"]["mean"] - base["mean"], 4),
+                    "outside_first_spread": not base["min"] <= m["heldout_last"]["mean"] <= base["max"]}
+            for label, m in list(out["modes"].items())[1:] if m["heldout_last"]}
     return out
 
 
@@ -86,8 +101,9 @@ def _seed_lines(agg: dict[str, Any]) -> list[str]:
     def fmt(sp: dict[str, float] | None, digits: int = 3) -> str:
         return "-" if sp is None else f"{sp['mean']:.{digits}f} ({sp['min']:.{digits}f}-{sp['max']:.{digits}f})"
 
+    what = "mode" if all(m in MODES for m in agg["modes"]) else "variant"
     lines = [f"## Over seeds {', '.join(map(str, agg['seeds']))}: mean (min-max)", "",
-             "| mode | runs completed | held-out pass rate at equal steps | last held-out | wall s |",
+             f"| {what} | runs completed | held-out pass rate at equal steps | last held-out | wall s |",
              "|---|---:|---|---:|---:|"]
     for mode, m in agg["modes"].items():
         by_step = "; ".join(f"{step}: {fmt(sp)}" for step, sp in m["heldout_by_step"].items()) or "-"
@@ -97,14 +113,28 @@ def _seed_lines(agg: dict[str, Any]) -> list[str]:
         lines += ["", "Elastic's mean last held-out pass rate is "
                   + ("within" if agg["elastic_within_colocate_spread"] else "OUTSIDE")
                   + " colocate's spread over the seeds."]
+    first = next(iter(agg["modes"]), "")
+    for label, a in agg.get("against_first", {}).items():
+        lines += ["", f"{label}: mean last held-out {a['difference'] * 100:+.1f} points against {first}, "
+                  + ("OUTSIDE" if a["outside_first_spread"] else "within") + f" {first}'s spread over the seeds."]
     return lines
 
 
+def mode_variants(spec: JobSpec, run: RunConfig) -> list[tuple[str, JobSpec]]:
+    """The job in each scheduling mode (colocate on-policy; the others at least one version stale)."""
+    return [(mode, dataclasses.replace(spec, mode=Mode(mode),
+                                       staleness_bound=0 if mode == "colocate" else max(spec.staleness_bound, 1),
+                                       async_rollout_cells=run.engines if mode == "async" else None))
+            for mode in MODES]
+
+
 def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = print,
-                  config_path: Any = None) -> dict[str, Any]:
-    """Each mode on the job, for ``seeds`` seeds (the job's seed, +1, ...); see the module docstring."""
+                  config_path: Any = None, variants: list[tuple[str, JobSpec]] | None = None) -> dict[str, Any]:
+    """Each mode on the job (or each of ``variants``: (label, job spec)), for ``seeds`` seeds (the
+    job's seed, +1, ...); see the module docstring."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    variants = variants or mode_variants(spec, run)
     out_dir = Path(run.report_dir) / "compare"
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     first: dict[str, dict[str, Any]] = {}
@@ -113,24 +143,26 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
         seed = spec.seed + k
         suffix = "" if seeds == 1 else f"-seed{seed}"
         results: dict[str, RunResult] = {}
-        for mode in MODES:
-            echo(f"== {mode}" + (f" (seed {seed})" if seeds > 1 else ""))
-            mode_run = dataclasses.replace(run, report_dir=str(out_dir / f"{mode}{suffix}"))
-            mode_spec = dataclasses.replace(spec, job_id=f"{spec.job_id}-{mode}{suffix}", mode=Mode(mode), seed=seed,
-                                            staleness_bound=0 if mode == "colocate" else max(spec.staleness_bound, 1),
-                                            async_rollout_cells=run.engines if mode == "async" else None)
-            results[mode] = run_job(mode_run, mode_spec, echo=echo,
-                                    **({"config_path": config_path} if config_path else {}))
+        for label, variant in variants:
+            echo(f"== {label}" + (f" (seed {seed})" if seeds > 1 else ""))
+            name = _file_name(label)
+            mode_run = dataclasses.replace(run, report_dir=str(out_dir / f"{name}{suffix}"))
+            mode_spec = dataclasses.replace(variant, job_id=f"{spec.job_id}-{name}{suffix}", seed=seed)
+            results[label] = run_job(mode_run, mode_spec, echo=echo,
+                                     **({"config_path": config_path} if config_path else {}))
         finals = [r.evals[-1]["heldout_pass_rate"] for r in results.values() if r.evals]
         seed_target = min(finals) if finals else 0.0
         per_seed[seed] = {mode: _row(r, seed_target) for mode, r in results.items()}
         if k == 0:
             first, target = per_seed[seed], seed_target
     rows = {mode: {k: v for k, v in row.items() if k != "heldout_by_step"} for mode, row in first.items()}
+    by_mode = all(label in MODES for label, _ in variants)
+    what = "mode" if by_mode else "variant"
     summary: dict[str, Any] = {"seed": spec.seed, "target_heldout_pass_rate": target, "modes": rows}
-    lines = [f"# Mode comparison (seed {spec.seed}, {spec.num_steps} steps, budget {run.time_budget_s:.0f}s)", "",
-             f"Target held-out pass rate: {target:.3f} (lowest final rate among the modes).", "",
-             "| mode | wall s | steps | held-out first -> last | time to target s | utilization | switches |",
+    title = "Mode comparison" if by_mode else f"Comparison of {', '.join(label for label, _ in variants)} ({spec.mode.value})"
+    lines = [f"# {title} (seed {spec.seed}, {spec.num_steps} steps, budget {run.time_budget_s:.0f}s)", "",
+             f"Target held-out pass rate: {target:.3f} (lowest final rate among the {what}s).", "",
+             f"| {what} | wall s | steps | held-out first -> last | time to target s | utilization | switches |",
              "|---|---:|---:|---|---:|---:|---:|"]
     for mode, row in rows.items():
         ttt = "not reached" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.0f}"
@@ -146,11 +178,29 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     return summary
 
 
+def _file_name(label: str) -> str:
+    """A variant label as a report directory and job id part (``timeout_policy=zero`` -> ``timeout_policy-zero``)."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in label)
+
+
+def parse_vary(value: str) -> tuple[str, list[str]]:
+    """``FIELD=A,B,...`` -> (field as a job flag name, values); ValueError with one sentence if malformed."""
+    field_name, eq, values = value.partition("=")
+    field_name = field_name.strip().removeprefix("--")
+    choices = [v.strip() for v in values.split(",")] if eq else []
+    if not field_name or len(choices) < 2 or not all(choices):
+        raise ValueError(f"--vary needs a job field and at least two values, like timeout-policy=partial,zero; "
+                         f"got {value!r}")
+    if len(set(choices)) != len(choices):
+        raise ValueError(f"--vary lists a value twice: {value!r}")
+    return field_name, choices
+
+
 def compare_main(argv: list[str]) -> int:
-    """``gyre run --compare [--seeds N] [same flags as gyre run]``."""
+    """``gyre run --compare [--seeds N] [--vary FIELD=A,B,...] [same flags as gyre run]``."""
     import sys
 
-    args, seeds = list(argv), 1
+    args, seeds, vary = list(argv), 1, None
     if "--seeds" in args:
         i = args.index("--seeds")
         try:
@@ -160,15 +210,26 @@ def compare_main(argv: list[str]) -> int:
             return 2
         del args[i:i + 2]
     try:
+        if "--vary" in args:
+            i = args.index("--vary")
+            if i + 1 >= len(args):
+                raise ValueError("--vary needs a job field and its values, like timeout-policy=partial,zero")
+            vary = parse_vary(args[i + 1])
+            del args[i:i + 2]
         if seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
         run, spec, config = load_run(args)
+        variants = None
+        if vary is not None:
+            name, values = vary
+            label = name.replace("-", "_")
+            variants = [(f"{label}={v}", load_run([*args, f"--{name}", v])[1]) for v in values]
     except ValueError as exc:
         print(f"gyre run --compare: {exc}", file=sys.stderr)
         return 2
     interrupt_on_signals()
     try:
-        compare_modes(run, spec, seeds=seeds, config_path=config)
+        compare_modes(run, spec, seeds=seeds, config_path=config, variants=variants)
     except KeyboardInterrupt:
         print("gyre run --compare: interrupted; every service it started was stopped (the modes that "
               "ended have their reports under the report directory)", file=sys.stderr)

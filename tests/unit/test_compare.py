@@ -60,3 +60,41 @@ def test_compare_refuses_a_bad_seed_count(capsys: object) -> None:
     assert compare_main(["--seeds", "many"]) == 2
     assert compare_main(["--seeds", "0"]) == 2
     assert compare_main(["--seeds"]) == 2
+
+
+def test_variants_of_one_job_field_are_compared_against_the_first() -> None:
+    """``--vary timeout-policy=partial,zero``: rows keep the order given, and each later value's mean
+    last held-out is set against the first value's spread (the elastic check is for modes only)."""
+    from services.compare import across_seeds, parse_vary
+
+    assert parse_vary("timeout-policy=partial,zero") == ("timeout-policy", ["partial", "zero"])
+    assert parse_vary("--algorithm.learning-rate=1e-3, 3e-4") == ("algorithm.learning-rate", ["1e-3", "3e-4"])
+    for bad in ("timeout-policy=zero", "timeout-policy", "=a,b", "timeout-policy=a,,b", "timeout-policy=a,a"):
+        try:
+            parse_vary(bad)
+        except ValueError as exc:
+            assert "--vary" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    rows = {
+        0: {"timeout_policy=partial": _row(0.30, 100, {0: 0.1, 8: 0.30}), "timeout_policy=zero": _row(0.20, 90, {0: 0.1, 8: 0.20})},
+        1: {"timeout_policy=partial": _row(0.34, 110, {0: 0.1, 8: 0.34}), "timeout_policy=zero": _row(0.24, 95, {0: 0.1, 8: 0.24})},
+    }
+    agg = across_seeds(rows)
+    assert list(agg["modes"]) == ["timeout_policy=partial", "timeout_policy=zero"]
+    assert "elastic_within_colocate_spread" not in agg
+    zero = agg["against_first"]["timeout_policy=zero"]
+    assert zero["difference"] == -0.1 and zero["outside_first_spread"] is True  # 0.22 below 0.30..0.34
+    rows[1]["timeout_policy=zero"] = _row(0.40, 95, {0: 0.1, 8: 0.40})
+    assert across_seeds(rows)["against_first"]["timeout_policy=zero"]["outside_first_spread"] is False  # 0.30
+
+
+def test_compare_refuses_a_bad_variation(capsys) -> None:
+    from services.compare import compare_main
+
+    assert compare_main(["--vary"]) == 2
+    assert compare_main(["--vary", "timeout-policy=zero"]) == 2
+    assert compare_main(["--vary", "nonsense=a,b"]) == 2
+    assert "unknown job flag '--nonsense'" in capsys.readouterr().err
+    assert compare_main(["--vary", "timeout-policy=partial,bogus"]) == 2
+    assert "timeout_policy is 'bogus'" in capsys.readouterr().err
