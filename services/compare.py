@@ -14,9 +14,10 @@ lies within colocate's spread (the condition for elastic's speed-up to count).
 
 With ``--vary FIELD=A,B,...`` the job runs in its own mode once per value of one job field (any
 ``gyre run`` job flag, e.g. ``--vary timeout-policy=partial,zero`` or
-``--vary algorithm.learning-rate=1e-3,3e-4``) instead of once per mode: an ablation on equal seeds.
-Over seeds it adds, for each later value, how its mean last held-out pass rate differs from the
-first value's and whether it lies outside the first value's spread.
+``--vary algorithm.learning-rate=1e-3,3e-4``) instead of once per mode: an ablation on equal seeds
+(one value: that job repeated over the seeds). Over seeds it adds, for each later value, how its
+mean last held-out pass rate differs from the first value's and whether it lies outside the first
+value's spread.
 """
 
 from __future__ import annotations
@@ -188,9 +189,8 @@ def parse_vary(value: str) -> tuple[str, list[str]]:
     field_name, eq, values = value.partition("=")
     field_name = field_name.strip().removeprefix("--")
     choices = [v.strip() for v in values.split(",")] if eq else []
-    if not field_name or len(choices) < 2 or not all(choices):
-        raise ValueError(f"--vary needs a job field and at least two values, like timeout-policy=partial,zero; "
-                         f"got {value!r}")
+    if not field_name or not choices or not all(choices):
+        raise ValueError(f"--vary needs a job field and its values, like timeout-policy=partial,zero; got {value!r}")
     if len(set(choices)) != len(choices):
         raise ValueError(f"--vary lists a value twice: {value!r}")
     return field_name, choices
