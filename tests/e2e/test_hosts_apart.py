@@ -329,7 +329,10 @@ def _cordon_a_busy_cell(sched: Any, job_id: str, cli: list[str], operator: dict[
     """Once the job's executions run and both rollout cells have requests in flight, the operator
     cordons the busier with `gyre cordon`: its requests migrate to the other host's engine and it
     trains (its replica, on its own host, joins the core) until the job ends, whatever the policy
-    would have done. "" while not yet (or while the scheduler does not answer in time: next poll)."""
+    would have done. When a cordon's drain found nothing left to migrate, the cell given back may
+    stay in TRAIN (the policy needs one rollout cell for this small job): then the one rollout cell
+    left is cordoned, and the policy brings the other back to take its requests, which migrate.
+    "" while not yet (or while the scheduler does not answer in time: next poll)."""
     from services.common.errors import Unavailable
 
     try:
@@ -339,7 +342,7 @@ def _cordon_a_busy_cell(sched: Any, job_id: str, cli: list[str], operator: dict[
                          if i.cell.role.value == "rollout" and not i.cell.is_core)
     except Unavailable:
         return ""
-    if len(rolling) < 2 or rolling[0][0] == 0:
+    if not rolling or rolling[0][0] == 0:  # every rollout cell busy (one, after a drain without migration)
         return ""
     cell = rolling[-1][1]
     done = subprocess.run([*cli, "cordon", "--scheduler", sched.address, cell, "--reason",
