@@ -67,13 +67,18 @@ def spread(values: list[float]) -> dict[str, float]:
             "std": round((sum((v - mean) ** 2 for v in values) / n) ** 0.5, 4)}
 
 
+def _are_modes(labels: Any) -> bool:
+    """Whether the compared labels are the scheduling modes (not ``--vary`` values)."""
+    return all(label in MODES for label in labels)
+
+
 def across_seeds(rows: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per mode (or variant), over seeds: the held-out pass rate at each step every seed evaluated
     (equal steps) and the last one, and the wall time, each as a `spread`; whether elastic's last
     held-out pass rate lies within colocate's spread (min..max over the seeds); and for variants,
     each later one's mean last held-out against the first's spread (``against_first``)."""
     labels = list(dict.fromkeys(m for by_mode in rows.values() for m in by_mode))
-    modes = sorted(labels, key=MODES.index) if all(m in MODES for m in labels) else labels
+    modes = sorted(labels, key=MODES.index) if _are_modes(labels) else labels
     out: dict[str, Any] = {"seeds": sorted(rows), "modes": {}}
     for mode in modes:
         runs = [by_mode[mode] for by_mode in rows.values() if mode in by_mode]
@@ -89,7 +94,7 @@ def across_seeds(rows: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     if e and c and e["heldout_last"] and c["heldout_last"]:
         out["elastic_within_colocate_spread"] = \
             c["heldout_last"]["min"] <= e["heldout_last"]["mean"] <= c["heldout_last"]["max"]
-    if modes and modes[0] not in MODES and out["modes"][modes[0]]["heldout_last"]:
+    if modes and not _are_modes(modes) and out["modes"][modes[0]]["heldout_last"]:
         base = out["modes"][modes[0]]["heldout_last"]
         out["against_first"] = {
             label: {"difference": round(m["heldout_last"]["mean"] - base["mean"], 4),
@@ -102,7 +107,7 @@ def _seed_lines(agg: dict[str, Any]) -> list[str]:
     def fmt(sp: dict[str, float] | None, digits: int = 3) -> str:
         return "-" if sp is None else f"{sp['mean']:.{digits}f} ({sp['min']:.{digits}f}-{sp['max']:.{digits}f})"
 
-    what = "mode" if all(m in MODES for m in agg["modes"]) else "variant"
+    what = "mode" if _are_modes(agg["modes"]) else "variant"
     lines = [f"## Over seeds {', '.join(map(str, agg['seeds']))}: mean (min-max)", "",
              f"| {what} | runs completed | held-out pass rate at equal steps | last held-out | wall s |",
              "|---|---:|---|---:|---:|"]
@@ -157,7 +162,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
         if k == 0:
             first, target = per_seed[seed], seed_target
     rows = {mode: {k: v for k, v in row.items() if k != "heldout_by_step"} for mode, row in first.items()}
-    by_mode = all(label in MODES for label, _ in variants)
+    by_mode = _are_modes(label for label, _ in variants)
     what = "mode" if by_mode else "variant"
     summary: dict[str, Any] = {"seed": spec.seed, "target_heldout_pass_rate": target, "modes": rows}
     title = "Mode comparison" if by_mode else f"Comparison of {', '.join(label for label, _ in variants)} ({spec.mode.value})"
