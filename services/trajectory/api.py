@@ -163,10 +163,13 @@ class TrajectoryApi:
                     ex.tree = None  # the in-memory tree is ahead of storage: rebuild it from storage next time
                     raise Unavailable(f"cannot store record {call.call_id!r}: {exc}") from None
                 ex.num_calls += 1
+                if ins.retry:
+                    log.info("a model call was retried after its answer was lost; both outputs are kept",
+                             job_id=job, execution_id=call.execution_id, call_id=call.call_id)
             accepted += 1
             new_tokens += ins.new_nodes
             record_tokens += len(ins.delta.new_ids) + len(call.output_ids)
-            RECORDS.labels("accepted").inc()
+            RECORDS.labels("retry" if ins.retry else "accepted").inc()
         UNIQUE_TOKENS.inc(new_tokens)
         RECORD_TOKENS.inc(record_tokens)
         return IngestSummary(accepted, duplicates, new_tokens, record_tokens, len(touched))

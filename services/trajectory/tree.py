@@ -11,6 +11,13 @@ Semantics (issue #3, exact):
 - ``naive_tokens`` = sum of selected path lengths; ``tree_tokens`` = nodes in their union;
   ``trainable_tokens`` = trainable nodes in that union.
 
+A record whose call id was recorded before with the same prompt but a different output is a
+**retry** of a model call whose answer was lost (the gateway died after recording it and before
+the caller got it; a client re-sent the call): it is added as a call of its own, the call id names
+the retry from then on, and a resend of any earlier version of that id is a duplicate. The lost
+answer stays in the tree as a branch, like an output the harness discarded. The same id with a
+different prompt is a conflict (``ConflictingRecord``).
+
 Calls whose full sequence is a strict prefix of another call's sequence end at an inner node,
 not at a leaf: they add no path and take no part in a leaf's role or tie-break. Their generated
 tokens are trainable nodes *inside* the longer paths through their end node, so they are trained
@@ -66,6 +73,7 @@ class CallInsert:
     duplicate: bool
     delta: PromptDelta
     new_nodes: int
+    retry: bool = False  # a new version of a recorded call id (same prompt, another output)
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,8 @@ class ExecutionTree:
         self.trie.add_field("gen_call", np.int32, -1)
         self.trie.add_field("logprob", np.float32, 0.0)
         self.calls: list[CallEntry] = []
-        self._by_id: dict[str, CallEntry] = {}
+        self._by_id: dict[str, CallEntry] = {}  # a call id -> its latest version
+        self._earlier: dict[str, list[CallEntry]] = {}  # a retried call id -> the versions it replaced
 
     @property
     def num_nodes(self) -> int:
@@ -154,8 +163,9 @@ class ExecutionTree:
         return self.trie.ancestor(base.end_node, d.shared_prefix_len - 1), d.new_ids
 
     def add(self, call: TitoCall) -> CallInsert:
-        """Insert ``call``; a resend of a recorded call id with the same content is a no-op, a
-        different content raises ``ConflictingRecord``."""
+        """Insert ``call``; a resend of a recorded call id with the same content is a no-op, one with
+        the same prompt and another output is a retry (added, see the module doc), one with another
+        prompt, agent or role raises ``ConflictingRecord``."""
         if call.execution_id != self.execution_id:
             raise ValueError(f"record {call.call_id!r} belongs to execution {call.execution_id!r}, "
                              f"not {self.execution_id!r}")
@@ -166,18 +176,20 @@ class ExecutionTree:
         if old is not None:
             pnode, pos = self.trie.match(node, head)
             same_prompt = pos == len(head) and pnode == old.prompt_end_node and prompt_len == old.prompt_len
-            if same_prompt and digest == old.digest:
-                return CallInsert(old.index, True, self._delta_of(old, node, head, call), 0)
-            raise ConflictingRecord(
-                f"call id {call.call_id!r} of execution {self.execution_id!r} was already recorded with "
-                f"different content ({'prompt' if not same_prompt else 'output, log-probs, role or version'} "
-                "differ); call ids must be unique within an execution")
+            if not same_prompt or old.agent_id != call.agent_id or old.role != call.role:
+                raise ConflictingRecord(
+                    f"call id {call.call_id!r} of execution {self.execution_id!r} was already recorded with "
+                    f"different content ({'prompt' if not same_prompt else 'agent or role'} differ); call ids "
+                    "must be unique within an execution")
+            for version in (old, *self._earlier.get(call.call_id, ())):
+                if digest == version.digest:
+                    return CallInsert(version.index, True, self._delta_of(call), 0)
         index = len(self.calls)
         before = self.trie.num_nodes
         if call.prompt_ids is not None:
             # full prompt: find the longest stored prefix first, so the stored delta is minimal
             pnode, pos = self.trie.match(ROOT, head)
-            delta = PromptDelta(self.calls[self.trie.owner(pnode)].call_id if pos else "", pos, head[pos:])
+            delta = self._canonical_delta(pnode, pos, head)
             seq = np.concatenate((head[pos:], call.output_ids))
             end, _ = self.trie.insert(pnode, seq, owner=index)
         else:
@@ -191,14 +203,31 @@ class ExecutionTree:
         entry = CallEntry(index, call.call_id, call.agent_id, call.role, call.weight_version, prompt_len,
                           full_len, end, prompt_end, digest)
         self.calls.append(entry)
+        if old is not None:
+            self._earlier.setdefault(call.call_id, []).append(old)
         self._by_id[call.call_id] = entry
-        return CallInsert(index, False, delta, self.trie.num_nodes - before)
+        return CallInsert(index, False, delta, self.trie.num_nodes - before, retry=old is not None)
 
-    def _delta_of(self, old: CallEntry, node: int, head: np.ndarray, call: TitoCall) -> PromptDelta:
+    def _delta_of(self, call: TitoCall) -> PromptDelta:
         if call.delta is not None:
             return call.delta
-        pnode, pos = self.trie.match(ROOT, head)
-        return PromptDelta(self.calls[self.trie.owner(pnode)].call_id if pos else "", pos, head[pos:])
+        assert call.prompt_ids is not None
+        pnode, pos = self.trie.match(ROOT, call.prompt_ids)
+        return self._canonical_delta(pnode, pos, call.prompt_ids)
+
+    def _canonical_delta(self, pnode: int, pos: int, head: np.ndarray) -> PromptDelta:
+        """A full prompt whose first ``pos`` tokens reach ``pnode`` as a minimal delta: against the
+        call that created that node. A delta names its base by call id, which resolves to the id's
+        latest version; a node only an earlier (retried) version reaches cannot be named so, and
+        then the delta is the whole prompt."""
+        if not pos:
+            return PromptDelta("", 0, head)
+        base = self.calls[self.trie.owner(pnode)]
+        latest = self._by_id[base.call_id]
+        if latest is not base and (self.trie.depth(latest.end_node) < pos - 1
+                                   or self.trie.ancestor(latest.end_node, pos - 1) != pnode):
+            return PromptDelta("", 0, head)
+        return PromptDelta(base.call_id, pos, head[pos:])
 
     def _mark_generated(self, end: int, prompt_len: int, call: TitoCall, index: int) -> None:
         """Mark the output span's nodes trainable unless an earlier call generated them, or a

@@ -103,7 +103,7 @@ def test_bad_records_get_clear_statuses(start) -> None:
                   job_id=JOB)
     svc.client.ingest([ok])
     with pytest.raises(errors.AlreadyExists, match="already recorded with different content"):
-        svc.client.ingest([TitoCall(**{**ok.__dict__, "output_ids": np.array([6])})])
+        svc.client.ingest([TitoCall(**{**ok.__dict__, "prompt_ids": np.array([1, 3])})])
     with pytest.raises(errors.InvalidArgument, match="outside the vocabulary"):
         svc.client.ingest([TitoCall(**{**ok.__dict__, "call_id": "c2", "output_ids": np.array([77])})])
 
@@ -403,3 +403,28 @@ def test_the_scheduler_reads_how_much_of_an_update_is_trained(start) -> None:
     assert progress.trained_tokens == len(got[0].batch.input_ids) == plan.acked_tokens
     svc.server.stop(0)  # the service gone: no count, and no error for the scheduler's tick
     assert controller.step_progress(JOB, 0) is None
+
+
+def test_a_call_retried_after_a_lost_answer_is_recorded_and_survives_a_restart(start) -> None:
+    """A gateway that died after recording a call and before answering: the caller re-sends the call
+    (same call id) and the restarted gateway records another answer. Both are kept; resends of either
+    are duplicates, before and after a restart of the trajectory service."""
+    svc = start()
+    first = TitoCall("e", "c1", "a", AgentRole.MAIN, np.array([5, 6]), np.array([-0.1, -0.2]), 0,
+                     prompt_ids=np.array([1, 2]), job_id=JOB)
+    retry = TitoCall(**{**first.__dict__, "output_ids": np.array([5, 7]), "weight_version": 1})
+    assert svc.client.ingest([first]).accepted == 1
+    s = svc.client.ingest([retry])
+    assert (s.accepted, s.duplicates, s.new_tokens) == (1, 0, 1)
+    nxt = TitoCall("e", "c2", "a", AgentRole.MAIN, np.array([3]), np.array([-0.3]), 1,
+                   prompt_ids=np.array([1, 2, 5, 7, 9]), job_id=JOB)
+    svc.client.ingest([nxt])
+    stats = svc.client.execution_stats("e", job_id=JOB)
+    assert (stats.num_calls, stats.paths, stats.trainable_tokens) == (3, 2, 4)
+    svc.stop()
+    svc2 = start()
+    again = svc2.client.ingest([first, retry, nxt])
+    assert (again.accepted, again.duplicates) == (0, 3)
+    rebuilt = svc2.client.execution_stats("e", job_id=JOB)
+    assert (rebuilt.num_calls, rebuilt.paths, rebuilt.tree_tokens, rebuilt.trainable_tokens) == (
+        3, 2, stats.tree_tokens, 4)

@@ -140,11 +140,51 @@ def test_resend_is_idempotent_and_conflicts_are_rejected() -> None:
     tree.add(call("c1", SYS, [5, 6]))
     again = tree.add(call("c1", SYS, [5, 6]))
     assert again.duplicate and again.new_nodes == 0 and len(tree.calls) == 1
-    with pytest.raises(ConflictingRecord, match="already recorded with different content"):
-        tree.add(call("c1", SYS, [5, 7]))
-    with pytest.raises(ConflictingRecord, match="prompt"):
+    with pytest.raises(ConflictingRecord, match="already recorded with different content .prompt differ"):
         tree.add(call("c1", SYS + [9], [5, 6]))
-    assert tree.num_nodes == 6
+    with pytest.raises(ConflictingRecord, match="agent or role differ"):
+        tree.add(call("c1", SYS, [5, 7], role="subagent"))
+    assert tree.num_nodes == 6 and len(tree.calls) == 1
+
+
+def test_a_retried_call_whose_answer_was_lost_is_kept_next_to_it() -> None:
+    # the gateway recorded c1's answer [5, 6] and died before the caller got it; the caller sent c1
+    # again, which the restarted gateway answered [5, 7] (newer weights): the caller goes on from that
+    tree = ExecutionTree("E")
+    tree.add(call("c0", SYS, [8]))
+    tree.add(call("c1", SYS + [8, 9], [5, 6], lp=-0.5))
+    retry = tree.add(call("c1", SYS + [8, 9], [5, 7], version=1, lp=-0.25))
+    assert retry.retry and not retry.duplicate and retry.new_nodes == 1 and retry.index == 2
+    assert (retry.delta.base_call_id, retry.delta.shared_prefix_len) == ("c1", 6)
+    # resends of either version are duplicates; the id names the retry from now on
+    assert tree.add(call("c1", SYS + [8, 9], [5, 6], lp=-0.5)).index == 1
+    assert tree.add(call("c1", SYS + [8, 9], [5, 7], version=1, lp=-0.25)).index == 2
+    assert tree.call("c1").index == 2 and len(tree.calls) == 3  # type: ignore[union-attr]
+    nxt = tree.add(call("c2", SYS + [8, 9, 5, 7, 3], [4]))
+    assert (nxt.delta.base_call_id, nxt.delta.shared_prefix_len) == ("c1", 8)
+    # both answers are trained, each exactly once: the lost one as a branch (like a discarded output)
+    paths = sorted(p.tolist() for p in tree.path_sequences())
+    assert paths == [SYS + [8, 9, 5, 6], SYS + [8, 9, 5, 7, 3, 4]]
+    arrays = tree.arrays()
+    assert arrays.num_trainable == 5 and tree.stats().tree_tokens == 11  # trained: 8, 5, 6, 7, 4
+    assert sorted(arrays.version[arrays.trainable].tolist()) == [0, 0, 0, 0, 1]
+
+
+def test_a_prompt_only_the_lost_answer_reaches_is_stored_whole_and_replays_to_the_same_tree() -> None:
+    tree = ExecutionTree("E")
+    calls = [call("c1", SYS, [5, 6]), call("c1", SYS, [7], version=1)]
+    # a record that continues the lost answer (say, a second sub-agent was shown it): its delta
+    # cannot name "c1", whose latest version does not reach [5, 6]
+    calls.append(call("c2", SYS + [5, 6, 9], [3], agent="other"))
+    stored = [tree.add(c) for c in calls]
+    assert (stored[2].delta.base_call_id, stored[2].delta.new_ids.tolist()) == ("", SYS + [5, 6, 9])
+    replayed = ExecutionTree("E")
+    for c, ins in zip(calls, stored):
+        replayed.add(TitoCall(c.execution_id, c.call_id, c.agent_id, c.role, c.output_ids, c.output_logprobs,
+                              c.weight_version, delta=ins.delta))
+    a, b = tree.arrays(), replayed.arrays()
+    for name in ("tokens", "depth", "parent", "subtree_end", "trainable", "logprob", "version"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_bad_deltas_are_rejected_clearly() -> None:
