@@ -225,6 +225,37 @@ def _run_and_migrate(src: TorchEngine, dst: TorchEngine, req: GenRequest, after:
     return before + moved.tokens(req.request_id), state
 
 
+def test_freed_kv_goes_back_to_the_os_once_idle_not_while_an_export_waits(
+        model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export that leaves the engine idle answers before the engine gives freed pages back (a
+    release takes ~0.2 s and holds the GIL); the release still comes once the engine is idle."""
+    import services.rollout.torch_engine as te
+
+    go, released = threading.Event(), threading.Event()
+
+    def release() -> bool:  # held until the test lets it go: an export that waited on it would hang
+        assert go.wait(60)
+        released.set()
+        return True
+
+    monkeypatch.setattr(te, "release_free_memory", release)
+    monkeypatch.setattr(te, "RELEASE_AFTER_BYTES", 0)
+    monkeypatch.setattr(te, "RELEASE_IDLE_S", 0.01)
+    eng = TorchEngine(model, device="cpu", max_batch_size=4)
+    eng.start()
+    try:
+        col = Collector()
+        eng.submit(GenRequest("m", _prompt(5, 12), _greedy(200)), col)
+        wait_until(lambda: len(col.tokens("m")) >= 3, timeout_s=60, what="first tokens")
+        state = eng.export_request("m", timeout_s=30)
+        assert len(state.generated_ids) >= 3 and not released.is_set()
+        go.set()
+        assert released.wait(60), "the idle engine never gave its freed memory back"
+    finally:
+        go.set()
+        eng.stop()
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("where", ["same", "other"])
 def test_export_import_continues_identically(model: torch.nn.Module, greedy: bool, where: str) -> None:
