@@ -23,12 +23,14 @@ value's spread.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import string
 from pathlib import Path
 from typing import Any
 
 from services.run import RunConfig, RunResult, interrupt_on_signals, load_run, run_job
-from services.scheduler.jobs import JobSpec, Mode
+from services.scheduler.jobs import ID_RE, JobSpec, Mode
 
 MODES = ("colocate", "async", "elastic")
 
@@ -153,7 +155,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
             echo(f"== {label}" + (f" (seed {seed})" if seeds > 1 else ""))
             name = _file_name(label)
             mode_run = dataclasses.replace(run, report_dir=str(out_dir / f"{name}{suffix}"))
-            mode_spec = dataclasses.replace(variant, job_id=f"{spec.job_id}-{name}{suffix}", seed=seed)
+            mode_spec = dataclasses.replace(variant, job_id=_job_id(spec.job_id, label, suffix), seed=seed)
             results[label] = run_job(mode_run, mode_spec, echo=echo,
                                      **({"config_path": config_path} if config_path else {}))
         finals = [r.evals[-1]["heldout_pass_rate"] for r in results.values() if r.evals]
@@ -187,6 +189,21 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
 def _file_name(label: str) -> str:
     """A variant label as a report directory and job id part (``timeout_policy=zero`` -> ``timeout_policy-zero``)."""
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in label)
+
+
+def _job_id(base: str, label: str, suffix: str) -> str:
+    """The job id of a variant's run: ``BASE-LABEL-seedN`` in a job id's characters (a dotted field
+    ``algorithm.learning_rate=1e-3`` -> ``algorithm-learning_rate-1e-3``), shortened with a digest of
+    the label when that is longer than a job id may be (64 characters)."""
+    allowed = set(string.ascii_letters + string.digits + "_-")
+    part = "".join(c if c in allowed else "-" for c in label)
+    job_id = f"{base}-{part}{suffix}"
+    if len(job_id) > 64:
+        tail = f"-{hashlib.blake2b(label.encode(), digest_size=4).hexdigest()}{suffix}"
+        head = f"{base}-{part}"[: 64 - len(tail)]
+        job_id = head + tail
+    assert ID_RE.match(job_id), job_id
+    return job_id
 
 
 def parse_vary(value: str) -> tuple[str, list[str]]:

@@ -99,3 +99,16 @@ def test_compare_refuses_a_bad_variation(capsys) -> None:
     assert "unknown job flag '--nonsense'" in capsys.readouterr().err
     assert compare_main(["--vary", "timeout-policy=partial,bogus"]) == 2
     assert "timeout_policy is 'bogus'" in capsys.readouterr().err
+
+
+def test_a_variant_job_id_is_a_valid_job_id_for_any_field() -> None:
+    from services.compare import _job_id
+    from services.scheduler.jobs import ID_RE
+
+    base = "job-20261205-091524-0b2f"
+    assert _job_id(base, "algorithm.learning_rate=1e-3", "-seed0") == f"{base}-algorithm-learning_rate-1e-3-seed0"
+    assert _job_id(base, "colocate", "") == f"{base}-colocate"
+    long_a = _job_id(base, "tasks.params.a_rather_long_parameter_name=0.25", "-seed2")
+    long_b = _job_id(base, "tasks.params.a_rather_long_parameter_name=0.5", "-seed2")
+    assert long_a != long_b and long_a.endswith("-seed2") and long_b.endswith("-seed2")
+    assert all(ID_RE.match(j) and len(j) <= 64 for j in (long_a, long_b, _job_id("j" * 64, "x=y", "-seed10")))
