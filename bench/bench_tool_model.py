@@ -51,6 +51,7 @@ def main() -> None:
         greedy = evaluate(client, ids, codec=codec, concurrency=1)
         sampled = evaluate(client, ids[:args.sampled], codec=codec, concurrency=1, temperature=1.0)
         shell = _shell_pass_rate(client, codec, ids)
+        smol = _smolagents_pass_rate(client, codec, ids)
     lines = [
         "# The built-in tool-calling model (`builtin-tools`)",
         "",
@@ -58,14 +59,19 @@ def main() -> None:
         "thread, then the built-in tool agent in process on held-out `xlong-tools-v1` tasks. 2-core machine.",
         "",
         "| build wall | vocabulary | system turn (tokens) | warm-start loss first -> last | "
-        "held-out greedy pass (reward) | held-out sampled T=1 pass (reward) | shell dialect greedy pass |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "held-out greedy pass (reward) | held-out sampled T=1 pass (reward) | shell dialect greedy pass | "
+        "smolagents loop greedy pass |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| {wall:.0f} s | {stamp['vocab']} | {len(system)} | {stamp['sft_loss_first']:.2f} -> "
         f"{stamp['sft_loss_last']:.3f} | {greedy.pass_rate:.3f} ({greedy.mean_reward:.2f}) on {args.tasks} | "
-        f"{sampled.pass_rate:.3f} ({sampled.mean_reward:.2f}) on {args.sampled} | {shell:.3f} on {args.tasks} |",
+        f"{sampled.pass_rate:.3f} ({sampled.mean_reward:.2f}) on {args.sampled} | {shell:.3f} on {args.tasks} | "
+        f"{smol:.3f} on {args.tasks} |",
         "",
         "The shell dialect: the same held-out tasks as mini-swe-agent runs them (``gyre-task`` commands "
         "in bash calls, one conversation, no compaction; services.task.tool_demos.run_shell_demo), greedy.",
+        "smolagents' loop: its ToolCallingAgent, unmodified, on the same tasks, its requests through the gateway's "
+        "endpoint code in process (services.task.local_gateway; a required call's opening forced as the gateway "
+        "does, its arguments not grammar-constrained: the engine does that on the live stack), greedy.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -84,6 +90,23 @@ def _shell_pass_rate(client: object, codec: object, ids: list[str]) -> float:
         env = run_shell_demo(task, client, codec=codec, fix_turns=1,  # type: ignore[arg-type]
                              max_turns=6 * sum(len(m.steps) + 2 for m in task.modules), max_new_tokens=48,
                              rng=random.Random(n), temperature=0.0)
+        passed += all(env.module_passed.get(m.name) for m in task.modules)
+    return passed / len(ids)
+
+
+def _smolagents_pass_rate(client: object, codec: object, ids: list[str]) -> float:
+    """Held-out tasks solved whole through smolagents' loop, greedy."""
+    import random
+
+    from services.task.spec import task_from_id
+    from services.task.tool_demos import run_smolagents_demo
+
+    passed = 0
+    for n, tid in enumerate(ids):
+        task = task_from_id(tid)
+        env = run_smolagents_demo(task, client, codec=codec, fix_turns=1,  # type: ignore[arg-type]
+                                  max_turns=6 * sum(len(m.steps) + 2 for m in task.modules), rng=random.Random(n),
+                                  temperature=0.0, execution_id=f"heldout-{n}")
         passed += all(env.module_passed.get(m.name) for m in task.modules)
     return passed / len(ids)
 

@@ -34,7 +34,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,13 +60,16 @@ class OpenAIEndpoint:
 
     def __init__(self, gateway: Gateway, *, tokenizer: Any, model_name: str, job_id: str = "",
                  default_max_tokens: int = 256, prompt_cache_tokens: int = 8_000_000, sessions: Any = None,
-                 tool_parser: str = "auto") -> None:
+                 tool_parser: str = "auto", new_call_id: Callable[[], str] = tools_mod.new_call_id) -> None:
         self.gateway = gateway
         self.sessions = sessions  # services.scheduler.sessions.Sessions (None: no session URLs)
         template = str(getattr(tokenizer, "chat_template", "") or "")
         self.tool_format = tools_mod.format_for(template, tool_parser)
         self.template_tools = tools_mod.template_renders_tools(template)
         self.raw_replies = tools_mod.RawReplies()
+        self.new_call_id = new_call_id  # ids of the tool calls in replies
+        self._misses: OrderedDict[tuple[str, str], None] = OrderedDict()  # sessions that missed the prompt cache
+        self._misses_lock = threading.Lock()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.job_id = job_id
@@ -172,6 +176,16 @@ class OpenAIEndpoint:
         return lo
 
     # -- calls -------------------------------------------------------------------------------
+    def _missed(self, session: tuple[str, str]) -> bool:
+        """Whether ``session`` missed the prompt cache before (remembers the last 10,000)."""
+        with self._misses_lock:
+            seen = session in self._misses
+            self._misses[session] = None
+            self._misses.move_to_end(session)
+            while len(self._misses) > 10_000:
+                self._misses.popitem(last=False)
+            return seen
+
     def chat(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -185,8 +199,10 @@ class OpenAIEndpoint:
         session = (meta.execution_id, meta.agent_id)
         rendered = self.prompts.render_chat(session, prepared, tools=native)
         if rendered.reused_tokens == 0 and any(m.get("role") == "assistant" for m in messages):
-            log.info("chat prompt tokenized from scratch (no earlier turn matched)",
-                     execution_id=meta.execution_id, agent_id=meta.agent_id)
+            # once per session at info (a loop that rewrites its history, as smolagents does, misses every turn)
+            (log.debug if self._missed(session) else log.info)(
+                "chat prompt tokenized from scratch (no earlier turn matched)",
+                execution_id=meta.execution_id, agent_id=meta.agent_id)
         # a forced call: its opening is context (appended to the prompt), the model writes the rest
         prefix = fmt.forced_prefix(choice) if tools else ""
         grammar = fmt.forced_grammar(choice, tools) if tools else None
@@ -201,7 +217,7 @@ class OpenAIEndpoint:
             self.prompts.remember_chat(session, prepared, rendered, ids, text, stop_text, reply_text=prefix + text,
                                        tools=native)
 
-        calls = _ToolShape(fmt, prefix, self.raw_replies) if tools and choice.mode != "none" else None
+        calls = _ToolShape(fmt, prefix, self.raw_replies, self.new_call_id) if tools and choice.mode != "none" else None
         return self._run("chat.completion", body, meta, params, rendered, remember, calls=calls, prefix=prefix)
 
     def messages(self, body: dict[str, Any], headers: Any) -> tuple[dict[str, Any] | None, Iterator[bytes] | None]:
@@ -478,15 +494,16 @@ def _stop_holdback(text: str, stops: Sequence[str]) -> int:
 class _ToolShape:
     """Turns a chat reply's text into (content, tool_calls) in the response's shape."""
 
-    def __init__(self, fmt: Any, prefix: str, raw: tools_mod.RawReplies) -> None:
-        self.fmt, self.prefix, self.raw = fmt, prefix, raw
+    def __init__(self, fmt: Any, prefix: str, raw: tools_mod.RawReplies,
+                 new_call_id: Callable[[], str] = tools_mod.new_call_id) -> None:
+        self.fmt, self.prefix, self.raw, self.new_call_id = fmt, prefix, raw, new_call_id
 
     def shape(self, output_text: str) -> tuple[str | None, list[dict[str, Any]]]:
         full = self.prefix + output_text
         content, found = self.fmt.parse(full)
         if not found:
             return full, []
-        ids = [tools_mod.new_call_id() for _ in found]
+        ids = [self.new_call_id() for _ in found]
         self.raw.put(ids, full)  # the next turn's assistant message renders back to exactly this text
         return content, [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                          for i, c in zip(ids, found)]

@@ -35,13 +35,15 @@ if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
     from services.task.agent import ExecutionResult
     from services.task.spec import TaskSpec
 
-__all__ = ["LOOPS", "THIRD_PARTY_LOOPS", "run_third_party"]
+__all__ = ["LOOPS", "THIRD_PARTY_LOOPS", "MAX_REPLY_TOKENS", "Tools", "run_third_party", "run_smolagents",
+           "smolagents_agent", "smolagents_model"]
 
 THIRD_PARTY_LOOPS = ("openai-agents", "smolagents", "mini-swe-agent")
 LOOPS = ("builtin", *THIRD_PARTY_LOOPS)
+MAX_REPLY_TOKENS = 48  # a loop's max_tokens per call: the longest tool call the task needs, with room
 
 
-class _Tools:
+class Tools:
     """The task's tools on one workspace, with the execution's progress, deadline and cancellation."""
 
     def __init__(self, task: TaskSpec, *, fix_turns: int, on_progress: Callable[[dict[str, bytes]], None] | None,
@@ -75,7 +77,7 @@ def _served_model(base_url: str, timeout_s: float) -> str:
         return str(client.models.list().data[0].id)
 
 
-def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
+def _openai_agents(tools: Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
     import openai
     from agents import Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
     from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
@@ -102,7 +104,7 @@ def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turn
         async with openai.AsyncOpenAI(base_url=base_url, api_key="gyre", max_retries=3, timeout=timeout_s) as client:
             model = OpenAIChatCompletionsModel(model=served, openai_client=client)
             agent = Agent(name="gyre-task", instructions=INSTRUCTIONS, tools=[tool(t) for t in TOOLS], model=model,
-                          model_settings=ModelSettings(temperature=temperature, max_tokens=48))
+                          model_settings=ModelSettings(temperature=temperature, max_tokens=MAX_REPLY_TOKENS))
             try:
                 out = await asyncio.wait_for(Runner.run(agent, task_message(tools.env.task), max_turns=max_turns),
                                              timeout=timeout_s)
@@ -115,10 +117,18 @@ def _openai_agents(tools: _Tools, base_url: str, *, temperature: float, max_turn
     return asyncio.run(run())
 
 
-def _smolagents(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
-    from smolagents import OpenAIServerModel, Tool, ToolCallingAgent
+def smolagents_agent(tools: Tools, model: Any, *, max_turns: int) -> Any:
+    """smolagents' ToolCallingAgent on the task's tools. Its system prompt is the task's
+    instructions, as the other loops get them (openai-agents' ``instructions``, mini-swe-agent's
+    system template); the rest is the loop's own: its task framing (``New task:``), its memory
+    rendered back as ``Calling tools:`` / ``Observation:`` turns, every call a tool call
+    (``tool_choice: required``), and its ``final_answer`` tool to end."""
+    from importlib.resources import files
 
-    from services.task.tool_env import INSTRUCTIONS, TOOLS, task_message
+    import yaml  # type: ignore[import-untyped]
+    from smolagents import Tool, ToolCallingAgent
+
+    from services.task.tool_env import INSTRUCTIONS, TOOLS
 
     def tool(spec: dict[str, Any]) -> Tool:
         props = spec["parameters"]["properties"]
@@ -135,14 +145,36 @@ def _smolagents(tools: _Tools, base_url: str, *, temperature: float, max_turns: 
             name, spec["description"], inputs, "string")
         return TaskTool()
 
-    model = OpenAIServerModel(model_id=_served_model(base_url, timeout_s), api_base=base_url, api_key="gyre",
-                              temperature=temperature, max_tokens=48, client_kwargs={"timeout": timeout_s})
-    agent = ToolCallingAgent(tools=[tool(t) for t in TOOLS], model=model, max_steps=max_turns, verbosity_level=0)
+    templates = yaml.safe_load(files("smolagents.prompts").joinpath("toolcalling_agent.yaml").read_text())
+    templates["system_prompt"] = INSTRUCTIONS
+    return ToolCallingAgent(tools=[tool(t) for t in TOOLS], model=model, max_steps=max_turns, verbosity_level=0,
+                            prompt_templates=templates)
+
+
+def run_smolagents(tools: Tools, model: Any, *, max_turns: int) -> str:
+    """One task through `smolagents_agent` with ``model`` (a smolagents model); how the loop ended."""
+    from services.task.tool_env import task_message
+
+    agent = smolagents_agent(tools, model, max_turns=max_turns)
+    agent.run(task_message(tools.env.task))
+    return "turn_cap" if len(agent.memory.steps) > max_turns else "final_reply"
+
+
+def smolagents_model(base_url: str, model_id: str, *, temperature: float, max_tokens: int, timeout_s: float) -> Any:
+    """smolagents' client of an OpenAI-compatible server (the gateway's session URL)."""
+    from smolagents import OpenAIServerModel
+
+    return OpenAIServerModel(model_id=model_id, api_base=base_url, api_key="gyre", temperature=temperature,
+                             max_tokens=max_tokens, client_kwargs={"timeout": timeout_s})
+
+
+def _smolagents(tools: Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
+    model = smolagents_model(base_url, _served_model(base_url, timeout_s), temperature=temperature,
+                             max_tokens=MAX_REPLY_TOKENS, timeout_s=timeout_s)
     try:
-        agent.run(f"{INSTRUCTIONS}\n{task_message(tools.env.task)}")
+        return run_smolagents(tools, model, max_turns=max_turns)
     finally:
         model.client.close()
-    return "turn_cap" if len(agent.memory.steps) > max_turns else "final_reply"
 
 
 def _sandbox_args(bin_dir: Path) -> list[str]:
@@ -162,7 +194,7 @@ def _sandbox_args(bin_dir: Path) -> list[str]:
     return argv + ["--bind", str(bin_dir), str(bin_dir)]
 
 
-def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
+def _mini_swe_agent(tools: Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
     """mini-swe-agent (PyPI, pinned, its ``mini`` CLI unmodified) in a process of its own: its
     model is the session URL, its commands run in bubblewrap (no network) in a fresh working
     directory where ``gyre-task`` reaches this execution's tools over a Unix socket."""
@@ -199,7 +231,7 @@ def _mini_swe_agent(tools: _Tools, base_url: str, *, temperature: float, max_tur
         "model": {"observation_template": "{{ output.output | trim }}{% if output.exception_info %} "
                                           "{{ output.exception_info }}{% endif %}",
                   "cost_tracking": "ignore_errors",
-                  "model_kwargs": {"api_base": base_url, "temperature": temperature, "max_tokens": 48}},
+                  "model_kwargs": {"api_base": base_url, "temperature": temperature, "max_tokens": MAX_REPLY_TOKENS}},
         "environment": {"environment_class": "bubblewrap", "cwd": str(work), "timeout": 30,
                         "env": {"HOME": str(work)}, "wrapper_args": _sandbox_args(bin_dir)},
     }
@@ -256,7 +288,7 @@ def run_third_party(loop: str, task: TaskSpec, *, base_url: str, temperature: fl
     if not base_url:
         raise ValueError("this lease has no session base URL: the gateway's HTTP endpoint is off (http_port)")
     result = ExecutionResult(status="finished", files={})
-    tools = _Tools(task, fix_turns=fix_turns, on_progress=on_progress, cancelled=cancelled, result=result)
+    tools = Tools(task, fix_turns=fix_turns, on_progress=on_progress, cancelled=cancelled, result=result)
     max_turns = 6 * sum(len(m.steps) + 2 for m in task.modules)  # as the built-in tool agent's call cap
     timeout_s = deadline_s - clock()
     if timeout_s <= 0:

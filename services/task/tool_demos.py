@@ -15,6 +15,7 @@ import random
 import re
 import shlex
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 
@@ -28,12 +29,16 @@ from services.task.tool_shell import (BASH_TOOL, COMMAND, SHELL_INSTRUCTIONS, SU
                                       shell_task_message)
 from services.task.tool_tokenizer import IM_END, IM_START, ToolCodec, render_system, render_turn
 
-__all__ = ["ToolDemonstrator", "decide", "decide_shell", "collect_tool_demonstrations", "demo_texts", "turn_snippets",
-           "run_shell_demo", "DIALECTS"]
+__all__ = ["ToolDemonstrator", "decide", "decide_shell", "decide_smolagents", "collect_tool_demonstrations",
+           "demo_texts", "turn_snippets", "run_shell_demo", "run_smolagents_demo", "DIALECTS"]
 
-DIALECTS = ("tools", "shell")
-"""The task's tools as functions (the built-in loop, openai-agents, smolagents), or as the
-``gyre-task`` command behind a bash tool (mini-swe-agent; services.task.tool_shell)."""
+DIALECTS = ("tools", "shell", "smolagents")
+"""The task's tools as functions (the built-in loop, openai-agents), as the ``gyre-task`` command
+behind a bash tool (mini-swe-agent; services.task.tool_shell), or as functions in smolagents' own
+conversation (``New task:``, ``Calling tools:`` / ``Observation:`` turns, ``final_answer`` to end)."""
+
+FINAL_ANSWER = "final_answer"  # smolagents' tool that ends its loop
+SMOLAGENTS_CONTEXTS = 6  # whole contexts trained per smolagents execution (each of its calls is one)
 
 _HINT_RE = re.compile(r"(?:next (open_module|write_line|run_tests) (m\d+)(?: step ([^<]+?))?|reply (done))\s*$")
 
@@ -73,6 +78,17 @@ def decide_shell(text: str, rng: random.Random, noise: DemoNoise) -> str:
     return render_call(BASH_TOOL["name"], {"command": command})
 
 
+def decide_smolagents(text: str, rng: random.Random, noise: DemoNoise) -> str:
+    """`decide` for smolagents' loop: the same choice, read from the last turn (the task, or an
+    ``Observation:``); where it would reply done it calls ``final_answer`` (every call of that
+    loop is a tool call)."""
+    reply = decide(text, rng, noise)
+    return render_call(FINAL_ANSWER, {"answer": DONE}) if reply == DONE else reply
+
+
+_DECIDE = {"tools": decide, "shell": decide_shell, "smolagents": decide_smolagents}
+
+
 class ToolDemonstrator:
     """A scripted `ModelClient` for tool executions; records every call it answers."""
 
@@ -80,13 +96,18 @@ class ToolDemonstrator:
         if dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}")
         self.codec, self.noise = codec, noise
-        self.decide = decide_shell if dialect == "shell" else decide
+        self.decide = _DECIDE[dialect]
         self.calls: list[DemoCall] = []
 
     def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
                  timeout_s: float) -> Generation:
         text = self.codec.tok.decode([int(i) for i in prompt_ids], skip_special_tokens=False)
         answer = self.decide(text, random.Random(sampling.seed), self.noise)
+        # a forced opening (the gateway appends a required call's ``<tool_call>\n{"name": "`` to the
+        # prompt) is context: the demonstrator writes the rest
+        forced = text.rsplit(f"{IM_START}assistant\n", 1)[-1] if f"{IM_START}assistant\n" in text else ""
+        if forced and answer.startswith(forced):
+            answer = answer[len(forced):]
         out = np.concatenate([self.codec.encode(answer), np.asarray([self.codec.eos_id], dtype=np.int32)])
         out = out[: sampling.max_new_tokens]
         self.calls.append(DemoCall(np.asarray(prompt_ids, dtype=np.int32).copy(), out, context.role))
@@ -144,17 +165,63 @@ def run_shell_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, fix_t
     return env
 
 
+class _Seeded:
+    """A `ModelClient` that gives each unseeded call the next seed of ``rng`` (a third-party loop
+    sends none; the demonstrations stay a function of the build's seed)."""
+
+    def __init__(self, client: ModelClient, rng: random.Random) -> None:
+        self.client, self.rng = client, rng
+
+    def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
+                 timeout_s: float) -> Generation:
+        if sampling.seed is None:
+            sampling = replace(sampling, seed=self.rng.randrange(1 << 31))
+        return self.client.generate(context, prompt_ids, sampling, timeout_s=timeout_s)
+
+
+def run_smolagents_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, fix_turns: int, max_turns: int,
+                        rng: random.Random, max_new_tokens: int | None = None, execution_id: str = "smolagents-demo",
+                        temperature: float = 1.0, model_name: str = "builtin-tools") -> ToolTask:
+    """One execution the way smolagents runs it through the gateway (services.task.loops): its
+    own ToolCallingAgent and client, whose requests go through the gateway's endpoint code in
+    process (services.task.local_gateway), so the prompts are exactly those of a real run. Returns
+    the workspace (``demo`` may be any `ModelClient`: a model, to see how it does in this loop)."""
+    from services.task.agent import ExecutionResult
+    from services.task.local_gateway import LocalOpenAI
+    from services.task.loops import MAX_REPLY_TOKENS, Tools, run_smolagents, smolagents_model
+    from services.task.tool_tokenizer import hf_tokenizer
+
+    tools = Tools(task, fix_turns=fix_turns, on_progress=None, cancelled=None,
+                  result=ExecutionResult(status="finished", files={}))
+    local = LocalOpenAI(_Seeded(demo, rng), tokenizer=hf_tokenizer(codec.tok, model_max_length=1 << 20),
+                        model_name=model_name, max_context=1 << 20, headers={"x-gyre-execution-id": execution_id},
+                        seed=rng.randrange(1 << 31))
+    model = smolagents_model("http://127.0.0.1:9/v1", model_name, temperature=temperature,
+                             max_tokens=max_new_tokens or MAX_REPLY_TOKENS, timeout_s=600.0)
+    model.client.close()
+    model.client = local
+    try:
+        run_smolagents(tools, model, max_turns=max_turns)
+    finally:
+        local.close()
+    return tools.env
+
+
 def _executions(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig, noise: DemoNoise,
                 seed: int, dialect: str = "tools") -> Iterator[list[DemoCall]]:
     # Demo tasks come from far up the train seed range so they do not repeat RL's first tasks.
-    base = 10**9 + seed * num_tasks + (10**8 if dialect == "shell" else 0)
+    base = 10**9 + seed * num_tasks + 10**8 * DIALECTS.index(dialect)
     for k in range(num_tasks):
         task = generate_task(base + k, params, split="train")
         demo = ToolDemonstrator(codec, noise, dialect)
+        steps = sum(len(m.steps) + 2 for m in task.modules)
         if dialect == "shell":
-            steps = sum(len(m.steps) + 2 for m in task.modules)
             run_shell_demo(task, demo, codec=codec, fix_turns=agent.fix_turns, max_turns=agent.calls_per_step * steps,
                            max_new_tokens=agent.max_new_tokens, rng=random.Random(base + k))
+        elif dialect == "smolagents":
+            run_smolagents_demo(task, demo, codec=codec, fix_turns=agent.fix_turns,
+                                max_turns=agent.calls_per_step * steps, rng=random.Random(base + k),
+                                max_new_tokens=agent.max_new_tokens, execution_id=f"smolagents-demo-{seed}-{k}")
         else:
             run_tool_execution(task, demo, codec=codec, config=agent, execution_id=f"tool-demo-{seed}-{k}",
                                deadline_s=float("inf"))
@@ -173,15 +240,22 @@ def demo_texts(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: T
 
 
 def collect_tool_demonstrations(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig,
-                                noise: DemoNoise, seed: int = 0, shell_tasks: int = 0) -> Demonstrations:
-    """Run the tool agent with the demonstrator on `num_tasks` train tasks, and the shell dialect's
-    loop on `shell_tasks` others."""
+                                noise: DemoNoise, seed: int = 0, shell_tasks: int = 0,
+                                smolagents_tasks: int = 0) -> Demonstrations:
+    """Run the tool agent with the demonstrator on `num_tasks` train tasks, the shell dialect's
+    loop on `shell_tasks` others and smolagents' loop on `smolagents_tasks` more."""
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
     snippets: list[tuple[np.ndarray, np.ndarray]] = []
     im_start = int(codec.encode(IM_START)[0])
-    for dialect, n in (("tools", num_tasks), ("shell", shell_tasks)):
+    for dialect, n in (("tools", num_tasks), ("shell", shell_tasks), ("smolagents", smolagents_tasks)):
         for calls in _executions(codec, num_tasks=n, params=params, agent=agent, noise=noise, seed=seed,
                                  dialect=dialect):
-            seqs.extend(training_sequences(calls))
+            whole = training_sequences(calls)
+            if dialect == "smolagents":
+                # that loop rewrites its history, so each call is a sequence of its own (a long prompt,
+                # one short reply): every call's last turn is a snippet, and a few whole contexts,
+                # spread over the execution, keep the cost of its long prompts bounded
+                whole = whole[:: max(1, len(whole) // SMOLAGENTS_CONTEXTS)][:SMOLAGENTS_CONTEXTS]
+            seqs.extend(whole)
             snippets.extend(turn_snippets(calls, im_start))
     return Demonstrations(seqs, snippets)

@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +58,27 @@ class ToolModelSpec(ModelSpecBase):
     shell_demo_tasks: int = 150
     """Train tasks the demonstrator solves through ``gyre-task`` behind a bash tool, the way
     mini-swe-agent runs them (services.task.tool_shell); 0: the model knows only the functions."""
+    smolagents_demo_tasks: int = 100
+    """Train tasks the demonstrator solves through smolagents' own loop (its ToolCallingAgent, its
+    requests through the gateway's endpoint code; services.task.tool_demos.run_smolagents_demo);
+    0: the model has never seen that loop's conversation."""
     agent: ToolAgentConfig = field(default_factory=ToolAgentConfig)
     """Tool-agent knobs of the demonstration runs."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.corpus_tasks < 1 or self.shell_demo_tasks < 0 or not 300 <= self.vocab_size <= 65_536:
-            raise ValueError("corpus_tasks must be >= 1, shell_demo_tasks >= 0 and vocab_size in [300, 65536].")
+        if (self.corpus_tasks < 1 or self.shell_demo_tasks < 0 or self.smolagents_demo_tasks < 0
+                or not 300 <= self.vocab_size <= 65_536):
+            raise ValueError("corpus_tasks must be >= 1, shell_demo_tasks and smolagents_demo_tasks >= 0 and "
+                             "vocab_size in [300, 65536].")
 
     def digest(self) -> str:
         # the tools and instructions are what the model is trained to see: a change to them rebuilds it
+        # so is the loop whose conversation it learns (its prompts are its own: they come with its version)
+        smolagents = version("smolagents") if self.smolagents_demo_tasks else ""
         blob = json.dumps({"version": TOOL_BUILD_VERSION, "tools": TOOLS, "instructions": INSTRUCTIONS,
-                           "shell": [SHELL_INSTRUCTIONS, BASH_TOOL, CLIENT], **asdict(self)}, sort_keys=True, default=str)
+                           "shell": [SHELL_INSTRUCTIONS, BASH_TOOL, CLIENT], "smolagents": smolagents, **asdict(self)},
+                          sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -84,15 +94,19 @@ def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
         # The corpus is rendered with a bytes-only tokenizer and no context limit: whole, uncut turns.
         boot = ToolCodec(train_tokenizer([], vocab_size=300))
         unbounded = replace(spec.agent, context_limit_tokens=1 << 30, max_new_tokens=1024, summary_max_new_tokens=1024)
-        texts = [text for dialect in ("tools", "shell") if dialect == "tools" or spec.shell_demo_tasks
-                 for text in demo_texts(boot, num_tasks=spec.corpus_tasks, params=spec.task, agent=unbounded,
+        # smolagents' loop: a quarter as many tasks (its turns repeat the same framing)
+        corpus = {"tools": spec.corpus_tasks, "shell": spec.corpus_tasks if spec.shell_demo_tasks else 0,
+                  "smolagents": -(-spec.corpus_tasks // 4) if spec.smolagents_demo_tasks else 0}
+        texts = [text for dialect, n in corpus.items() if n
+                 for text in demo_texts(boot, num_tasks=n, params=spec.task, agent=unbounded,
                                         noise=spec.noise, seed=spec.seed + 1, dialect=dialect)]
         tok = train_tokenizer(texts, vocab_size=spec.vocab_size)
         codec = ToolCodec(tok)
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(builtin_config(spec, codec), attn_implementation="sdpa")
         demos = collect_tool_demonstrations(codec, num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent,
-                                            noise=spec.noise, seed=spec.seed, shell_tasks=spec.shell_demo_tasks)
+                                            noise=spec.noise, seed=spec.seed, shell_tasks=spec.shell_demo_tasks,
+                                            smolagents_tasks=spec.smolagents_demo_tasks)
         losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)
         save_hf_tokenizer(tok, out_dir, model_max_length=spec.max_positions)

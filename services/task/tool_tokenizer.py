@@ -33,6 +33,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from services.task.tokenizer import TokenCodec
 
 __all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "IM_START", "IM_END", "PAD", "train_tokenizer", "save_hf_tokenizer",
+           "hf_tokenizer",
            "ToolCodec", "render_system", "render_turn", "tools_block"]
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -90,14 +91,19 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 2048) -> Tokenize
     return tok
 
 
-def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, *, model_max_length: int) -> None:
-    """Write an HF tokenizer directory (tokenizer.json + config with the chat template)."""
-    from transformers import PreTrainedTokenizerFast  # heavy import, only when saving
+def hf_tokenizer(tok: Tokenizer, *, model_max_length: int) -> Any:
+    """The HF tokenizer the model directory holds (what the gateway loads): ``tok`` with the chat template."""
+    from transformers import PreTrainedTokenizerFast  # heavy import, only when needed
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=PAD, eos_token=IM_END, pad_token=PAD,
                                    additional_special_tokens=[IM_START], model_max_length=model_max_length)
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, *, model_max_length: int) -> None:
+    """Write an HF tokenizer directory (tokenizer.json + config with the chat template)."""
+    hf_tokenizer(tok, model_max_length=model_max_length).save_pretrained(str(out_dir))
 
 
 class ToolCodec(TokenCodec):

@@ -144,7 +144,8 @@ def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
     from services.task.tool_model import ToolModelSpec
 
     result, ended = _run_through_loop(tmp_path, "openai-agents", ToolModelSpec(
-        corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20, shell_demo_tasks=0))
+        corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20, shell_demo_tasks=0,
+        smolagents_demo_tasks=0))
     assert [e["step"] for e in result.evals] == [0, 1]
     assert sum(e["tool_calls"] for e in ended) > 0  # the Agent called the task's tools
     with pytest.raises(ValueError, match="not available"):
@@ -171,7 +172,8 @@ def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
     except CliUnavailable as exc:
         pytest.skip(str(exc))
     _, ended = _run_through_loop(tmp_path, "mini-swe-agent", ToolModelSpec(
-        corpus_tasks=20, demo_tasks=20, snippet_steps=40, sft_steps=30, shell_demo_tasks=40))
+        corpus_tasks=20, demo_tasks=20, snippet_steps=40, sft_steps=30, shell_demo_tasks=40,
+        smolagents_demo_tasks=0))
     # its model's bash calls ran gyre-task in the sandbox (a model this briefly warm-started often
     # gets the arguments wrong: those get the usage error, and count here too)
     assert sum(e["events"].get("gyre_task_commands", 0) for e in ended) > 0, ended

@@ -17,7 +17,7 @@ import pytest
 
 from services.task.agent import ExecutionResult
 from services.task.demos import DemoNoise, sloppy_line
-from services.task.loops import _sandbox_args, _Tools
+from services.task.loops import Tools, _sandbox_args
 from services.task.spec import TaskParams, generate_task
 from services.task.tool_agent import ToolAgentConfig
 from services.task.tool_demos import ToolDemonstrator, decide_shell, run_shell_demo
@@ -74,7 +74,7 @@ def test_bash_tool_is_mini_swe_agents() -> None:
 def test_the_command_in_the_sandbox_reaches_the_task_and_nothing_else(tmp_path: Path) -> None:
     task = generate_task(5, TaskParams(num_modules=2, call_pct=0))
     result = ExecutionResult(status="finished", files={})
-    tools = _Tools(task, fix_turns=1, on_progress=None, cancelled=None, result=result)
+    tools = Tools(task, fix_turns=1, on_progress=None, cancelled=None, result=result)
 
     def handle(argv: list[str]) -> str:  # as the mini-swe-agent loop answers
         return answer(argv, tools.call, lambda: tools.env.hint(tools.scope))

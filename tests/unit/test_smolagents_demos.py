@@ -1,0 +1,80 @@
+"""smolagents' loop in process: the gateway's endpoint code over a ModelClient (services.task.local_gateway),
+and the tool model's demonstrations recorded through that loop (services.task.tool_demos)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from services.task.agent import CallContext, Generation, Sampling
+from services.task.demos import DemoNoise
+from services.task.local_gateway import LocalOpenAI
+from services.task.spec import TaskParams, generate_task
+from services.task.tool_demos import FINAL_ANSWER, ToolDemonstrator, run_smolagents_demo
+from services.task.tool_env import INSTRUCTIONS, parse_call
+from services.task.tool_tokenizer import IM_START, ToolCodec, hf_tokenizer, train_tokenizer
+
+BOOT = ToolCodec(train_tokenizer([], vocab_size=300))
+
+
+def _run(seed: int) -> tuple[ToolDemonstrator, object]:
+    task = generate_task(11, TaskParams(num_modules=3))
+    demo = ToolDemonstrator(BOOT, DemoNoise(), "smolagents")
+    env = run_smolagents_demo(task, demo, codec=BOOT, fix_turns=1, max_turns=200, max_new_tokens=1024,
+                              rng=random.Random(seed))
+    return demo, env
+
+
+def test_smolagents_demonstrations_run_the_task_through_its_own_loop() -> None:
+    demo, env = _run(0)
+    assert all(env.module_passed.values()) and len(env.module_passed) == 3  # type: ignore[attr-defined]
+    texts = [BOOT.tok.decode([int(i) for i in c.prompt_ids], skip_special_tokens=False) for c in demo.calls]
+    replies = [BOOT.decode(c.output_ids) for c in demo.calls]
+    # every call is a required tool call: the gateway put the call's opening into the prompt
+    assert all(t.endswith(f'{IM_START}assistant\n<tool_call>\n{{"name": "') for t in texts)
+    calls = [parse_call('<tool_call>\n{"name": "' + r) for r in replies]
+    assert calls[0] == ("open_module", {"module": "m1"}) and calls[-1] == (FINAL_ANSWER, {"answer": "done"})
+    assert all(c is not None for c in calls)
+    # the loop's own conversation: the task's instructions as its system prompt, its task framing,
+    # its memory as "Calling tools:" / "Observation:" turns
+    assert texts[0].startswith(f"{IM_START}system\n{INSTRUCTIONS}\n") and "New task:\ntask modules m1 m2 m3" in texts[0]
+    assert "Calling tools:\n[{'id': 'call_" in texts[1] and f"{IM_START}user\nObservation:\nmodule m1 tests" in texts[1]
+    # a function of the seed: the same prompts again (tool-call ids included)
+    again, _ = _run(0)
+    assert [c.prompt_ids.tolist() for c in again.calls] == [c.prompt_ids.tolist() for c in demo.calls]
+
+
+class _Echo:
+    """A ModelClient that answers every call with a fixed text."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.prompts = text, []  # type: ignore[var-annotated]
+
+    def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
+                 timeout_s: float) -> Generation:
+        self.prompts.append(BOOT.tok.decode([int(i) for i in prompt_ids], skip_special_tokens=False))
+        out = np.concatenate([BOOT.encode(self.text), [BOOT.eos_id]]).astype(np.int32)
+        return Generation(output_ids=out, logprobs=np.zeros(len(out), np.float32), weight_version=3,
+                          finish_reason="stop")
+
+
+def test_the_local_endpoint_answers_like_the_gateway_in_the_sdks_types() -> None:
+    echo = _Echo('run_tests", "arguments": {"module": "m2"}}\n</tool_call>')
+    client = LocalOpenAI(echo, tokenizer=hf_tokenizer(BOOT.tok, model_max_length=4096), model_name="m",
+                         max_context=4096, headers={"x-gyre-execution-id": "e"}, seed=1)
+    try:
+        tools = [{"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"module": {"type": "string"}}, "required": ["module"]}}}
+                 for name in ("open_module", "run_tests")]
+        res = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}], tools=tools,
+                                             tool_choice="required", max_tokens=64)
+        msg = res.choices[0].message
+        assert res.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].function.name == "run_tests"
+        assert msg.tool_calls[0].function.arguments == '{"module": "m2"}'
+        assert res.gyre["weight_version"] == 3  # type: ignore[attr-defined]
+        assert echo.prompts[0].endswith('<tool_call>\n{"name": "') and '"name": "run_tests"' in echo.prompts[0]
+        plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=64)
+        assert plain.choices[0].message.content == echo.text and not plain.choices[0].message.tool_calls
+    finally:
+        client.close()
