@@ -4,8 +4,9 @@ started cold and exiting with it; 2: pool processes started ahead, each back in 
 cell is given back), from the job's own events (``switch_finished`` durations, ``switch_phases``).
 
     .venv/bin/python -m bench.bench_switch [--steps 4]
+    .venv/bin/python -m bench.bench_switch --model smollm2-135m-instruct --task arith --steps 3 --eval-tasks 8
 
-Writes bench/results/switch.md. Phases (services actuator, one host): rollout -> train = drain
+Writes bench/results/switch.md (the second: switch-smollm2.md; ``--out`` to choose). Phases (services actuator, one host): rollout -> train = drain
 (the gateway migrates the cell's requests, KV over UCX) + replica_join (a replica process in the
 running step with the current weights: a cold start or a warm process handed the cell);
 train -> rollout = release (the replica hands off its gradient and leaves) + engine_resume (the
@@ -29,12 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "switch.md"
 
 
-def run(warm: int, steps: int, work: Path) -> tuple[list[dict], dict]:
+def run(warm: int, args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
     out = work / f"warm-{warm}"
     env = {**os.environ, "GYRE_TRAINER_WARM_REPLICAS": str(warm)}
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "run", "--mode", "elastic", "--num-steps", str(steps),
-                           "--quiet", "true", "--report-dir", str(out / "report"), "--data-dir", str(out / "data")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    job = ["--model", args.model] if args.model else []
+    job += ["--task", args.task] if args.task else []
+    job += ["--evaluation.tasks", str(args.eval_tasks)] if args.eval_tasks else []
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "run", *job, "--mode", "elastic",
+                           "--num-steps", str(args.steps), "--quiet", "true", "--report-dir", str(out / "report"),
+                           "--data-dir", str(out / "data")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"gyre run (warm_replicas={warm}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     summary = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
@@ -50,16 +55,24 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--model", default="", help="a named model (default: the job's, the built-in one)")
+    parser.add_argument("--task", default="", help="gyre run's --task (e.g. arith with smollm2-135m-instruct)")
+    parser.add_argument("--eval-tasks", type=int, default=0, help="held-out tasks per evaluation (0: the job's)")
+    parser.add_argument("--out", default="", help="results file (default: switch.md, or switch-<model>.md)")
     args = parser.parse_args()
+    results_file = Path(args.out) if args.out else (
+        RESULTS.with_name(f"switch-{args.model.split('-')[0]}.md") if args.model else RESULTS)
+    model = f"model `{args.model}`" + (f", task `{args.task}`" if args.task else "") if args.model else "the built-in model"
     t0 = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-switch-") as d:
         for warm in (0, 2):
             print(f"gyre run, warm_replicas={warm} ...", flush=True)
-            results[warm] = run(warm, args.steps, Path(d))
+            results[warm] = run(warm, args, Path(d))
     out = ["# CellRole-switch latency (live stack)", "",
-           f"`python -m bench.bench_switch`: `gyre run --mode elastic --num-steps {args.steps}` on the built-in "
-           "model (2 rollout cells + the trainer core, 2 CPU cores), once with `warm_replicas = 0` (every replica "
+           f"`python -m bench.bench_switch{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`: `gyre run --mode "
+           f"elastic --num-steps {args.steps}` on {model} (its run config's rollout cells + the trainer core, "
+           "2 CPU cores), once with `warm_replicas = 0` (every replica "
            "a cold process that exits when its cell is given back) and once with a replica pool of 2 (processes "
            "started ahead; a released one leaves its step and waits in the pool for the next cell). "
            "Durations from the job's "
@@ -85,8 +98,8 @@ def main() -> None:
             "<= 0.5 s. A switch's duration runs from the scheduler's switch_started to its switch_finished "
             "(the phases plus bookkeeping). The wall time of so short a job swings with the two cores' load "
             "(a cold process imports while the others train).", ""]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(out))
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    results_file.write_text("\n".join(out))
     print("\n".join(out))
 
 
