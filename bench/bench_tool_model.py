@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=16, help="held-out tasks, greedy")
     ap.add_argument("--sampled", type=int, default=8, help="held-out tasks, temperature 1")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tool_model.md"))
+    ap.add_argument("--keep-in", default="", help="a model cache directory to copy the built model into "
+                    "(e.g. .gyre/models, so gyre run and bench_harness_loops do not build it again)")
     args = ap.parse_args()
 
     import torch
@@ -43,6 +45,12 @@ def main() -> None:
         path = ensure_tool_model(cache)
         wall = time.monotonic() - t0
         stamp = json.loads((path / "gyre_build.json").read_text())
+        if args.keep_in:
+            import shutil
+
+            kept = Path(args.keep_in) / path.name
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(path, kept)
         torch.set_num_threads(2)
         client = LocalModelClient(AutoModelForCausalLM.from_pretrained(str(path)))
         codec = ToolCodec.from_dir(path)
