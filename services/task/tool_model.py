@@ -46,7 +46,7 @@ class ToolModelSpec(ModelSpecBase):
     demo_tasks: int = 300
     """Train tasks the demonstrator solves for the warm start."""
     snippet_steps: int = 300
-    """Optimizer steps on last-turn snippets (twice the word-level model's: two dialects to learn)."""
+    """Optimizer steps on last-turn snippets (twice the word-level model's: several dialects to learn)."""
     sft_steps: int = 450
     """Optimizer steps on whole contexts."""
     batch_size: int = 16
