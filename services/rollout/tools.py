@@ -114,7 +114,10 @@ def _forced_grammar(choice: ToolChoice, tools: Sequence[dict[str, Any]], name_ta
     from services.rollout.grammar import GrammarSpec
 
     named = [t for t in tools if t["name"] == choice.name] if choice.mode == "named" else list(tools)
-    specs = json.dumps([[t["name"], t.get("parameters") or {"type": "object"}] for t in named], sort_keys=True)
+    # key order kept: a schema's "properties" order is the order the grammar makes the arguments
+    # take (the tool's declared order, which the prompt shows the model); sorted keys would force
+    # {"code", "module"} on a tool declared {"module", "code"}
+    specs = json.dumps([[t["name"], t.get("parameters") or {"type": "object"}] for t in named])
     try:
         return GrammarSpec("ebnf", _forced_ebnf(specs, choice.mode == "named", name_tail, close))
     except Exception as exc:  # deliberate: xgrammar's schema converter raises several error types

@@ -131,3 +131,33 @@ def test_a_replayed_prefix_resumes_the_grammar(book: tuple[GrammarBook, Any]) ->
     fresh = b.constraint(spec, stop_token_ids=[2])
     with pytest.raises(ValueError, match="does not match the request's json_schema grammar"):
         fresh.advance(np.array(tok.encode("= not json", add_special_tokens=False)))
+
+
+def test_a_forced_call_keeps_the_order_its_tool_declares(book: tuple[GrammarBook, Any]) -> None:
+    """The arguments of a forced call follow the tool's declared property order (what the model
+    sees in its prompt and writes), not an alphabetical one: tool_choice required / named on a
+    tool declared {"module", "code"} accepts exactly that order."""
+    from services.rollout.tools import HermesFormat, ToolChoice
+
+    b, tok = book
+    write = {"name": "write_line", "parameters": {"type": "object", "required": ["module", "code"], "properties": {
+        "module": {"type": "string", "maxLength": 6}, "code": {"type": "string", "maxLength": 6}}}}
+    run = {"name": "run_tests", "parameters": {"type": "object", "required": ["module"],
+                                               "properties": {"module": {"type": "string", "maxLength": 6}}}}
+    fmt = HermesFormat()
+    declared, alphabetical = '{"module": "m1", "code": "x"}', '{"code": "x", "module": "m1"}'
+    for choice, head in ((ToolChoice("required"), 'write_line", "arguments": '), (ToolChoice("named", "write_line"), "")):
+        spec = fmt.forced_grammar(choice, [write, run])
+        assert spec is not None
+        ok = b.constraint(spec, stop_token_ids=[2])
+        ok.advance(np.array(tok.encode(head + declared + "}\n</tool_call>", add_special_tokens=False)))
+        ok.accept(2)
+        assert ok.terminated
+        with pytest.raises(ValueError, match="does not match"):
+            b.constraint(spec, stop_token_ids=[2]).advance(
+                np.array(tok.encode(head + alphabetical, add_special_tokens=False)))
+        for seed in range(2):  # what the engine samples under it: the declared order
+            out, _, _, _ = _sample(b, spec, seed)
+            text = tok.decode(out[:-1]).removesuffix("\n</tool_call>")
+            args = json.loads((text.split('"arguments": ', 1)[1] if head else text)[:-1])
+            assert list(args) == ["module", "code"] or list(args) == ["module"]
