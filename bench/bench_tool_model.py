@@ -1,6 +1,6 @@
 """The tool-calling built-in model (``builtin-tools``): its build and its warm start's held-out pass rate.
 
-    .venv/bin/python -m bench.bench_tool_model [--tasks 16] [--sampled 8]
+    .venv/bin/python -m bench.bench_tool_model [--tasks 16] [--sampled 8] [--set FIELD=VALUE ...]
 
 Builds the default ``ToolModelSpec`` into a fresh temporary cache (so the build time is measured,
 not a cache hit), then runs the built-in tool agent in process on held-out ``xlong-tools-v1`` tasks:
@@ -28,7 +28,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tool_model.md"))
     ap.add_argument("--keep-in", default="", help="a model cache directory to copy the built model into "
                     "(e.g. .gyre/models, so gyre run and bench_harness_loops do not build it again)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a ToolModelSpec field of a variant to measure instead of the default "
+                         "(e.g. --set smolagents_demo_tasks=100 --set sft_steps=600); repeatable")
     args = ap.parse_args()
+    try:
+        spec = spec_with(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -42,7 +49,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="gyre-tool-model-") as cache:
         t0 = time.monotonic()
-        path = ensure_tool_model(cache)
+        path = ensure_tool_model(cache, spec=spec)
         wall = time.monotonic() - t0
         stamp = json.loads((path / "gyre_build.json").read_text())
         if args.keep_in:
@@ -63,8 +70,10 @@ def main() -> None:
     lines = [
         "# The built-in tool-calling model (`builtin-tools`)",
         "",
-        "`python -m bench.bench_tool_model`: the default `ToolModelSpec` built into a fresh cache on one torch "
-        "thread, then the built-in tool agent in process on held-out `xlong-tools-v1` tasks. 2-core machine.",
+        f"`python -m bench.bench_tool_model{''.join(' --set ' + s for s in args.set)}`: "
+        f"{'the default `ToolModelSpec`' if not args.set else 'a variant of the default `ToolModelSpec`'} "
+        "built into a fresh cache on one torch thread, then the built-in tool agent in process on held-out "
+        "`xlong-tools-v1` tasks. 2-core machine.",
         "",
         "| build wall | vocabulary | system turn (tokens) | warm-start loss first -> last | "
         "held-out greedy pass (reward) | held-out sampled T=1 pass (reward) | shell dialect greedy pass | "
@@ -83,6 +92,29 @@ def main() -> None:
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def spec_with(settings: list[str]) -> object:
+    """The default ToolModelSpec with ``FIELD=VALUE`` settings (top-level int, float or str fields);
+    ValueError (one sentence) for an unknown field or a value of the wrong type."""
+    import dataclasses
+
+    from services.task.tool_model import ToolModelSpec
+
+    spec = ToolModelSpec()
+    fields = {f.name: type(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+    changes: dict[str, object] = {}
+    for item in settings:
+        name, sep, value = item.partition("=")
+        kind = fields.get(name.strip())
+        if not sep or kind not in (int, float, str):
+            settable = ", ".join(n for n, k in fields.items() if k in (int, float, str))
+            raise ValueError(f"--set takes FIELD=VALUE with FIELD one of {settable}; got {item!r}")
+        try:
+            changes[name.strip()] = kind(value.strip())
+        except ValueError:
+            raise ValueError(f"--set {name.strip()} takes a {kind.__name__}; got {value.strip()!r}") from None
+    return dataclasses.replace(spec, **changes)  # the spec validates its own ranges
 
 
 def _shell_pass_rate(client: object, codec: object, ids: list[str]) -> float:
