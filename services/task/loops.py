@@ -138,8 +138,10 @@ def smolagents_agent(tools: Tools, model: Any, *, max_turns: int) -> Any:
         class TaskTool(Tool):
             skip_forward_signature_validation = True
 
-            def forward(self, **kwargs: Any) -> str:
-                return tools.call(name, kwargs)
+            def forward(self, *args: Any, **kwargs: Any) -> str:
+                # smolagents passes arguments it could not parse as an object positionally (a string):
+                # the environment's own error for arguments that are not a JSON object, as in the other loops
+                return tools.call(name, args[0] if args and not kwargs else kwargs)
 
         TaskTool.name, TaskTool.description, TaskTool.inputs, TaskTool.output_type = (
             name, spec["description"], inputs, "string")

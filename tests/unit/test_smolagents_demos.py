@@ -78,3 +78,26 @@ def test_the_local_endpoint_answers_like_the_gateway_in_the_sdks_types() -> None
         assert plain.choices[0].message.content == echo.text and not plain.choices[0].message.tool_calls
     finally:
         client.close()
+
+
+def test_a_call_whose_arguments_are_not_an_object_gets_the_environments_error() -> None:
+    """smolagents hands a tool arguments it could not read as an object positionally; the loop's
+    tools answer with the environment's own error (as in the other loops), not a Python TypeError."""
+    from services.task.agent import ExecutionResult
+    from services.task.loops import Tools, run_smolagents, smolagents_model
+
+    echo = _Echo('open_module", "arguments": "m1"}\n</tool_call>')
+    client = LocalOpenAI(echo, tokenizer=hf_tokenizer(BOOT.tok, model_max_length=1 << 16), model_name="m",
+                         max_context=1 << 16, headers={"x-gyre-execution-id": "e"}, seed=1)
+    tools = Tools(generate_task(11, TaskParams(num_modules=1)), fix_turns=1, on_progress=None, cancelled=None,
+                  result=ExecutionResult(status="finished", files={}))
+    model = smolagents_model("http://127.0.0.1:9/v1", "m", temperature=0.0, max_tokens=64, timeout_s=60.0)
+    model.client.close()
+    model.client = client
+    try:
+        run_smolagents(tools, model, max_turns=2)
+    finally:
+        client.close()
+    assert "error : open_module takes a JSON object" in echo.prompts[1], echo.prompts[1][-600:]
+    assert "positional argument" not in echo.prompts[1]
+    assert tools.result.calls["tool"] == 2
