@@ -153,6 +153,24 @@ def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(900)
+def test_gyre_run_harness_smolagents(tmp_path: Path) -> None:
+    """`gyre run --harness smolagents`: each execution is run by smolagents' unmodified
+    ToolCallingAgent (its OpenAIServerModel pointed at the lease's session URL; tool_choice
+    required every turn, so every reply goes through the engine's grammar for a forced call). A
+    quickly warm-started tool model that has seen that loop's conversation stands in for
+    builtin-tools. Its calls are recorded as TITO, packed and trained; and its forced calls come
+    back as calls of the task's tools, not just smolagents' final_answer (a grammar that forced
+    another argument order than the tool's ended every execution after one call)."""
+    from services.task.tool_model import ToolModelSpec
+
+    _, ended = _run_through_loop(tmp_path, "smolagents", ToolModelSpec(
+        corpus_tasks=20, demo_tasks=20, snippet_steps=40, sft_steps=30, shell_demo_tasks=0,
+        smolagents_demo_tasks=10))
+    assert sum(e["tool_calls"] for e in ended) > 0, ended  # the task's tools ran on the workspaces
+    assert all(e["status"] in ("finished", "timeout") for e in ended), ended
+
+
+@pytest.mark.timeout(900)
 def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
     """`gyre run --harness mini-swe-agent`: each execution of the tool-calling task is run by the
     pinned, unmodified mini-swe-agent CLI (its own process, its model the lease's session URL) whose
