@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -75,6 +75,9 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # a fresh grammar matcher the output must follow (services.rollout.grammar.Constraint, as the
+    # engine applies a request's grammar); None: unconstrained. Clients that cannot mask ignore it.
+    constraint: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,7 +76,15 @@ class LocalModelClient:
         tokens: list[int] = []
         logprobs: list[float] = []
         finish = "length"
+        constraint = sampling.constraint
+        temp = torch.tensor([float(sampling.temperature)])
         for _ in range(sampling.max_new_tokens):
+            if constraint is not None:  # as the engine does: disallowed tokens -> -inf, before sampling
+                from services.rollout.grammar import constrain_rows
+
+                logits = logits[None].clone()
+                constrain_rows(logits, [constraint], temp)
+                logits = logits[0]
             if sampling.temperature == 0:
                 logp = torch.log_softmax(logits, -1)
                 tok = int(torch.argmax(logits))
@@ -85,7 +93,13 @@ class LocalModelClient:
                 tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
             tokens.append(tok)
             logprobs.append(float(logp[tok]))
-            if tok in stops:
+            if constraint is not None:
+                try:
+                    constraint.accept(tok)
+                except ValueError:  # the grammar allowed no token of this vocabulary (as the engine: an error)
+                    finish = "error"
+                    break
+            if tok in stops or (constraint is not None and constraint.terminated):
                 finish = "stop"
                 break
             step = self.model(input_ids=torch.tensor([[tok]]), use_cache=True, **{_CACHE_KW: past})

@@ -181,11 +181,12 @@ class _Seeded:
 
 def run_smolagents_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, fix_turns: int, max_turns: int,
                         rng: random.Random, max_new_tokens: int | None = None, execution_id: str = "smolagents-demo",
-                        temperature: float = 1.0, model_name: str = "builtin-tools") -> ToolTask:
+                        temperature: float = 1.0, model_name: str = "builtin-tools", constrain: bool = True) -> ToolTask:
     """One execution the way smolagents runs it through the gateway (services.task.loops): its
     own ToolCallingAgent and client, whose requests go through the gateway's endpoint code in
     process (services.task.local_gateway), so the prompts are exactly those of a real run. Returns
-    the workspace (``demo`` may be any `ModelClient`: a model, to see how it does in this loop)."""
+    the workspace (``demo`` may be any `ModelClient`: a model, to see how it does in this loop; it
+    is then sampled under the requests' grammars as on an engine, unless ``constrain`` is off)."""
     from services.task.agent import ExecutionResult
     from services.task.local_gateway import LocalOpenAI
     from services.task.loops import MAX_REPLY_TOKENS, Tools, run_smolagents, smolagents_model
@@ -195,7 +196,7 @@ def run_smolagents_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, 
                   result=ExecutionResult(status="finished", files={}))
     local = LocalOpenAI(_Seeded(demo, rng), tokenizer=hf_tokenizer(codec.tok, model_max_length=1 << 20),
                         model_name=model_name, max_context=1 << 20, headers={"x-gyre-execution-id": execution_id},
-                        seed=rng.randrange(1 << 31))
+                        seed=rng.randrange(1 << 31), constrain=constrain)
     model = smolagents_model("http://127.0.0.1:9/v1", model_name, temperature=temperature,
                              max_tokens=max_new_tokens or MAX_REPLY_TOKENS, timeout_s=600.0)
     model.client.close()
@@ -221,7 +222,8 @@ def _executions(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: 
         elif dialect == "smolagents":
             run_smolagents_demo(task, demo, codec=codec, fix_turns=agent.fix_turns,
                                 max_turns=agent.calls_per_step * steps, rng=random.Random(base + k),
-                                max_new_tokens=agent.max_new_tokens, execution_id=f"smolagents-demo-{seed}-{k}")
+                                max_new_tokens=agent.max_new_tokens, execution_id=f"smolagents-demo-{seed}-{k}",
+                                constrain=False)  # the scripted demonstrator writes valid calls; it cannot mask
         else:
             run_tool_execution(task, demo, codec=codec, config=agent, execution_id=f"tool-demo-{seed}-{k}",
                                deadline_s=float("inf"))

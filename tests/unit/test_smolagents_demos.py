@@ -101,3 +101,33 @@ def test_a_call_whose_arguments_are_not_an_object_gets_the_environments_error() 
     assert "error : open_module takes a JSON object" in echo.prompts[1], echo.prompts[1][-600:]
     assert "positional argument" not in echo.prompts[1]
     assert tools.result.calls["tool"] == 2
+
+
+def test_the_local_endpoint_samples_a_model_under_the_requests_grammar() -> None:
+    """In process as on an engine: a forced call's arguments are sampled under its tool's schema
+    (a random model's call still parses and validates), so a loop run in process sees the calls
+    the live stack would give it."""
+    import json
+
+    import jsonschema
+
+    from services.rollout.torch_engine import build_tiny_model
+    from services.task.local_client import LocalModelClient
+
+    tok = hf_tokenizer(BOOT.tok, model_max_length=4096)
+    model = LocalModelClient(build_tiny_model(len(tok), max_position_embeddings=4096, seed=3), keep_records=False)
+    schema = {"type": "object", "required": ["module", "code"], "properties": {
+        "module": {"enum": ["m1", "m2"]}, "code": {"enum": ["x", "2 -", "3 swap -"]}}}
+    tools = [{"type": "function", "function": {"name": "write_line", "parameters": schema}},
+             {"type": "function", "function": {"name": "run_tests", "parameters": {
+                 "type": "object", "required": ["module"], "properties": {"module": {"enum": ["m1", "m2"]}}}}}]
+    client = LocalOpenAI(model, tokenizer=tok, model_name="m", max_context=4096, seed=1)
+    try:
+        for temperature in (0.0, 1.0, 1.0):
+            res = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}], tools=tools,
+                                                 tool_choice="required", max_tokens=64, temperature=temperature)
+            call = res.choices[0].message.tool_calls[0].function
+            args = json.loads(call.arguments)
+            jsonschema.validate(args, schema if call.name == "write_line" else tools[1]["function"]["parameters"])
+    finally:
+        client.close()
