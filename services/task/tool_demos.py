@@ -253,11 +253,15 @@ def collect_tool_demonstrations(codec: ToolCodec, *, num_tasks: int, params: Tas
         for calls in _executions(codec, num_tasks=n, params=params, agent=agent, noise=noise, seed=seed,
                                  dialect=dialect):
             whole = training_sequences(calls)
-            if dialect == "smolagents":
+            if dialect == "smolagents" and whole:
                 # that loop rewrites its history, so each call is a sequence of its own (a long prompt,
                 # one short reply): every call's last turn is a snippet, and a few whole contexts,
-                # spread over the execution, keep the cost of its long prompts bounded
-                whole = whole[:: max(1, len(whole) // SMOLAGENTS_CONTEXTS)][:SMOLAGENTS_CONTEXTS]
+                # spread over the execution from its first call to its last, keep the cost of its
+                # long prompts bounded
+                last = len(whole) - 1
+                keep = {round(i * last / max(1, SMOLAGENTS_CONTEXTS - 1)) for i in range(SMOLAGENTS_CONTEXTS)}
+                # the first and the last call among them: the last is the one that calls final_answer
+                whole = [whole[i] for i in sorted(keep)]
             seqs.extend(whole)
             snippets.extend(turn_snippets(calls, im_start))
     return Demonstrations(seqs, snippets)

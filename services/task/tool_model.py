@@ -34,7 +34,7 @@ from services.task.tool_shell import BASH_TOOL, CLIENT, SHELL_INSTRUCTIONS
 
 __all__ = ["ToolModelSpec", "ensure_tool_model", "MODEL_NAME", "TOOL_BUILD_VERSION"]
 
-TOOL_BUILD_VERSION = "builtin-tools-v1"
+TOOL_BUILD_VERSION = "builtin-tools-v2"  # v2: smolagents contexts include the final_answer call
 MODEL_NAME = "builtin-tools"
 
 

@@ -131,3 +131,17 @@ def test_the_local_endpoint_samples_a_model_under_the_requests_grammar() -> None
             jsonschema.validate(args, schema if call.name == "write_line" else tools[1]["function"]["parameters"])
     finally:
         client.close()
+
+
+def test_smolagents_whole_contexts_run_from_the_first_call_to_the_final_answer() -> None:
+    """The warm start's whole smolagents contexts include an execution's last call (the one that
+    calls final_answer): without it the model never learned to end that loop."""
+    from services.task.tool_agent import ToolAgentConfig
+    from services.task.tool_demos import SMOLAGENTS_CONTEXTS, collect_tool_demonstrations
+
+    demos = collect_tool_demonstrations(BOOT, num_tasks=0, params=TaskParams(num_modules=2),
+                                        agent=ToolAgentConfig(max_new_tokens=1024), noise=DemoNoise(),
+                                        smolagents_tasks=1)
+    texts = [BOOT.tok.decode([int(i) for i in ids], skip_special_tokens=False) for ids, _ in demos.sequences]
+    assert len(texts) == SMOLAGENTS_CONTEXTS
+    assert texts[0].count("Observation:") == 0 and FINAL_ANSWER in texts[-1].rsplit("<tool_call>", 1)[-1]
