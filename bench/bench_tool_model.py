@@ -87,8 +87,8 @@ def main() -> None:
         "The shell dialect: the same held-out tasks as mini-swe-agent runs them (``gyre-task`` commands "
         "in bash calls, one conversation, no compaction; services.task.tool_demos.run_shell_demo), greedy.",
         "smolagents' loop: its ToolCallingAgent, unmodified, on the same tasks, its requests through the gateway's "
-        "endpoint code in process (services.task.local_gateway; a required call's opening forced as the gateway "
-        "does, its arguments not grammar-constrained: the engine does that on the live stack), greedy.",
+        "endpoint code in process (services.task.local_gateway; a required call's opening forced and its "
+        "arguments sampled under the engine's grammar, as on the live stack), greedy.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
