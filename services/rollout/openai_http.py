@@ -339,7 +339,7 @@ class OpenAIEndpoint:
                     content, found = calls.shape(text)
                     if found:
                         choice["message"] = {"role": "assistant", "content": content, "tool_calls": found}
-                        choice["finish_reason"] = "tool_calls"
+                        choice["finish_reason"] = _calls_finish(reason, found)
             else:
                 choice["text"] = text
             if want_lp:
@@ -396,7 +396,7 @@ class OpenAIEndpoint:
             if calls is not None:
                 content, found = calls.shape(text)
                 if found:
-                    full, reason = content or "", "tool_calls"
+                    full, reason = content or "", _calls_finish(reason, found)
             tail = full[len(sent):] if full.startswith(sent) else ""
             if found:
                 if tail:
@@ -507,6 +507,18 @@ class _ToolShape:
         self.raw.put(ids, full)  # the next turn's assistant message renders back to exactly this text
         return content, [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                          for i, c in zip(ids, found)]
+
+
+def _calls_finish(reason: str, found: list[dict[str, Any]]) -> str:
+    """finish_reason of a reply with tool calls: "tool_calls", or "length" when max_tokens cut a
+    call's arguments short (an unfinished object, which a harness must not run; as OpenAI's API)."""
+    if reason == "length":
+        for c in found:
+            try:
+                json.loads(c["function"]["arguments"])
+            except (ValueError, KeyError, TypeError):
+                return "length"
+    return "tool_calls"
 
 
 def _finish_reason(reason: str) -> str:

@@ -145,3 +145,28 @@ def test_smolagents_whole_contexts_run_from_the_first_call_to_the_final_answer()
     texts = [BOOT.tok.decode([int(i) for i in ids], skip_special_tokens=False) for ids, _ in demos.sequences]
     assert len(texts) == SMOLAGENTS_CONTEXTS
     assert texts[0].count("Observation:") == 0 and FINAL_ANSWER in texts[-1].rsplit("<tool_call>", 1)[-1]
+
+
+def test_a_call_cut_by_max_tokens_says_length_not_tool_calls() -> None:
+    """A forced call that max_tokens cut keeps finish_reason "length" (as OpenAI's API), so a harness
+    does not run an unfinished call; a whole one is "tool_calls"."""
+    class _Cut(_Echo):
+        def generate(self, context: CallContext, prompt_ids: np.ndarray, sampling: Sampling, *,
+                     timeout_s: float) -> Generation:
+            out = BOOT.encode(self.text).astype(np.int32)
+            return Generation(output_ids=out, logprobs=np.zeros(len(out), np.float32), weight_version=0,
+                              finish_reason="length")
+
+    tools = [{"type": "function", "function": {"name": "write_line", "parameters": {
+        "type": "object", "properties": {"module": {"type": "string"}, "code": {"type": "string"}}}}}]
+    for text, reason in (('write_line", "arguments": {"module": "m1", "co', "length"),
+                         ('write_line", "arguments": {"module": "m1"}}\n</tool_call>', "tool_calls")):
+        model = _Cut(text) if reason == "length" else _Echo(text)
+        client = LocalOpenAI(model, tokenizer=hf_tokenizer(BOOT.tok, model_max_length=4096), model_name="m",
+                             max_context=4096, seed=1, constrain=False)
+        try:
+            res = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
+                                                 tools=tools, tool_choice="required", max_tokens=16)
+        finally:
+            client.close()
+        assert res.choices[0].finish_reason == reason and res.choices[0].message.tool_calls
