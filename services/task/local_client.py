@@ -77,14 +77,13 @@ class LocalModelClient:
         logprobs: list[float] = []
         finish = "length"
         constraint = sampling.constraint
-        temp = torch.tensor([float(sampling.temperature)])
-        for _ in range(sampling.max_new_tokens):
-            if constraint is not None:  # as the engine does: disallowed tokens -> -inf, before sampling
-                from services.rollout.grammar import constrain_rows
+        if constraint is not None:
+            from services.rollout.grammar import constrain_rows
 
-                logits = logits[None].clone()
-                constrain_rows(logits, [constraint], temp)
-                logits = logits[0]
+            temp = torch.tensor([float(sampling.temperature)])
+        for _ in range(sampling.max_new_tokens):
+            if constraint is not None:  # as the engine does: disallowed tokens -> -inf (in place), before sampling
+                constrain_rows(logits[None], [constraint], temp)
             if sampling.temperature == 0:
                 logp = torch.log_softmax(logits, -1)
                 tok = int(torch.argmax(logits))
