@@ -142,20 +142,46 @@ class ReleaseLatch:
 
 def _read_cells(stdin: Any, cells: "queue.Queue[dict | None]", release: ReleaseLatch) -> None:
     """A pool process's stdin: cells handed over go to ``cells``, releases to ``release``; None
-    once it closes (the core retires this process) or a line does not parse."""
-    for line in stdin:
-        if not line.strip():
-            continue
-        try:
-            msg = json.loads(line)
-            if "release" in msg:
-                release.release(str(msg["release"]))
+    once it closes (the core retires this process) or a line does not parse.
+
+    Everything the core has written so far is read before any cell of it is handed on, and the
+    releases in it are latched first: a cell given back right after it was handed over (both lines
+    in the pipe when this process reads) is released before its replica starts, so it never joins
+    the step. Handing the cell on line by line raced the main thread (it could take the cell and
+    join before this thread parsed the next line)."""
+    import select
+
+    fd = stdin.fileno()
+    buf = b""
+    ended = False
+    while not ended:
+        chunk = os.read(fd, 65536)
+        ended = not chunk
+        buf += chunk
+        while not ended and select.select([fd], [], [], 0)[0]:  # the rest already written
+            more = os.read(fd, 65536)
+            ended = not more
+            buf += more
+        *lines, buf = buf.split(b"\n")
+        if ended and buf.strip():
+            lines.append(buf)
+        handed: list[dict] = []
+        for line in lines:
+            if not line.strip():
                 continue
-            cells.put({"cell_id": str(msg["cell_id"]), "replica_id": str(msg["replica_id"])})
-        except (ValueError, KeyError, TypeError) as exc:
-            print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} or {{\"release\"}} on "
-                  f"stdin: {exc}", file=sys.stderr)
-            break
+            try:
+                msg = json.loads(line)
+                if "release" in msg:
+                    release.release(str(msg["release"]))
+                    continue
+                handed.append({"cell_id": str(msg["cell_id"]), "replica_id": str(msg["replica_id"])})
+            except (ValueError, KeyError, TypeError) as exc:
+                print(f"gyre-trainer: a warm replica needs {{\"cell_id\", \"replica_id\"}} or {{\"release\"}} on "
+                      f"stdin: {exc}", file=sys.stderr)
+                ended = True
+                break
+        for cell in handed:
+            cells.put(cell)
     cells.put(None)
 
 
