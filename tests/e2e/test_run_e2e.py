@@ -35,7 +35,7 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     long_calls = LongCalls()
     # an operator cordons a busy rollout cell mid-step: the policy drains it (its requests migrate)
     # and moves it to training, whether or not it would have freed a busy cell on its own
-    cordoner = Cordoner()
+    cordoner = Cordoner(long_calls=long_calls)
     result = run_job(cfg, spec, echo=lambda m: (lines.append(m), long_calls.maybe_start(m), cordoner.on_line(m)))
     long_calls.stop()
     cordoner.stop()

@@ -2,18 +2,25 @@
 run, cordon the rollout cell with the most requests in flight, so that the policy drains it to
 training and its requests migrate; then uncordon it. Repeated (at most ``attempts`` times) until
 the job's event log shows a drain that migrated something, so the test does not hinge on the
-policy freeing a busy cell on its own."""
+policy freeing a busy cell on its own.
+
+Given the job's ``LongCalls``, the cell it cordons is one hosting a long call that has just started
+(asked of the engines themselves), so a call is still in flight when the drain comes: a cell busy
+only with short calls finished them between the cordon and the drain (the gateway routes nothing
+new to it meanwhile), migrated nothing, and stayed in training, leaving no second cell to try."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+from tests.support.longcalls import LongCalls
 from tests.support.waiting import wait_until
 
 
 class Cordoner:
-    def __init__(self, attempts: int = 4, timeout_s: float = 300.0) -> None:
+    def __init__(self, attempts: int = 4, timeout_s: float = 300.0, long_calls: LongCalls | None = None) -> None:
+        self.long_calls = long_calls
         self.attempts = attempts
         self.timeout_s = timeout_s
         self.scheduler = ""
@@ -42,10 +49,13 @@ class Cordoner:
             self._thread.join(timeout=60)
 
     def _in_flight(self) -> dict[str, int]:
-        """Requests in flight per cell at the gateway ({} before its address is known)."""
+        """Requests in flight per cell at the gateway ({} before its address is known); with long
+        calls: per cell, the long calls just started that its engine hosts now."""
         if not self.gateway:
             return {}
         try:
+            if self.long_calls is not None:
+                return _fresh_long_calls(self.gateway, self.long_calls)
             return _gateway_in_flight(self.gateway)
         except Exception:  # the registry's count serves meanwhile (a gateway restarting, say)
             return {}
@@ -61,7 +71,8 @@ class Cordoner:
                     # requests in flight on each rollout cell now, as the gateway routes them (the
                     # registry's count lags: a cell it calls busy may have finished its calls)
                     live = self._in_flight()
-                    rolling = sorted((live.get(c.cell.cell_id, c.cell.inflight), c.cell.cell_id)
+                    fallback = (lambda c: 0) if self.long_calls is not None else (lambda c: c.cell.inflight)
+                    rolling = sorted((live.get(c.cell.cell_id, fallback(c)), c.cell.cell_id)
                                      for c in sched.list_cells()
                                      if c.cell.role.value == "rollout" and not c.cell.is_core)
                     # another rollout cell must stay to take the work
@@ -88,6 +99,19 @@ def _gateway_in_flight(address: str) -> dict[str, int]:
 
     with GatewayClient(address) as gateway:
         return {e.cell_id: int(e.in_flight) for e in gateway.list_engines()}
+
+
+def _fresh_long_calls(address: str, long_calls: LongCalls) -> dict[str, int]:
+    from services.rollout.client import EngineClient, GatewayClient
+
+    with GatewayClient(address) as gateway:
+        engines = [(e.cell_id, e.address) for e in gateway.list_engines() if e.state == "ready"]
+    fresh = long_calls.fresh()
+    out: dict[str, int] = {}
+    for cell_id, engine_address in engines:
+        with EngineClient(engine_address) as engine:
+            out[cell_id] = len(fresh & set(engine.get_load(timeout_s=5.0).request_ids))
+    return out
 
 
 def _role(sched: object, cell_id: str) -> str:

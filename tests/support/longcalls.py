@@ -17,6 +17,9 @@ class LongCalls:
         self.threads: list[threading.Thread] = []
         self.completed = 0
         self.failed = 0
+        # request id (the gateway's) -> tokens received so far, of each call now in flight
+        self._live: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def maybe_start(self, line: str) -> None:
         if line.startswith("report: "):  # the job is over; the stack goes down next
@@ -47,8 +50,15 @@ class LongCalls:
             n += 1
             meta = CallMeta(job_id="longcalls", execution_id=f"long-{agent}-{n}", call_id="c0",
                             agent_id=f"long-{agent}")
+            rid = ""
             try:
-                res = gateway.generate(meta, prompt, params)
+                ids = lps = 0
+                for piece in gateway.generate_stream(meta, prompt, params):  # streamed: its id is known early
+                    rid = piece.request_id
+                    ids += len(piece.token_ids)
+                    lps += len(piece.logprobs)
+                    with self._lock:
+                        self._live[rid] = ids
             except GyreError as exc:
                 if "no rollout engine is available" in str(exc):  # every cell trains right now
                     self.stopping.wait(0.5)
@@ -58,10 +68,19 @@ class LongCalls:
                     print("long call failed:", exc)
                 self.stopping.wait(0.5)
                 continue
-            assert len(res.output_ids) == len(res.output_logprobs) >= 1
+            finally:
+                with self._lock:
+                    self._live.pop(rid, None)
+            assert ids == lps >= 1
             self.completed += 1
             time.sleep(0.01)
         gateway.close()
+
+    def fresh(self, max_tokens: int = 300) -> set[str]:
+        """Gateway request ids of the calls in flight that have received fewer than ``max_tokens``
+        tokens so far: most of their ~900 decode steps (seconds) are still ahead."""
+        with self._lock:
+            return {rid for rid, n in self._live.items() if n < max_tokens}
 
     def stop(self) -> None:
         self.stopping.set()
