@@ -60,7 +60,8 @@ class RunConfig:
     torch_threads: int = setting(1, "Threads per engine/trainer process (2 cores: keep 1).")
     quiet: bool = setting(False, "No live progress display (plain log lines instead).")
     harness_loop: str = setting("builtin", "Agent loop the built-in harness runs tool-calling tasks with: builtin, "
-                                           "openai-agents, smolagents or mini-swe-agent (`--harness NAME` sets it and, "
+                                           "openai-agents, smolagents, mini-swe-agent, claude-code or codex (`--harness "
+                                           "NAME` sets it and, "
                                            "without --task or --job, picks --task tools).")
 
     def __post_init__(self) -> None:

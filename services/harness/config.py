@@ -37,10 +37,11 @@ class HarnessConfig:
     max_executions: int = setting(0, "Exit after this many executions (0 = run until SIGTERM).")
     context_limit_tokens: int = setting(192, "Agent context limit before compaction, tokens.")
     loop: str = setting("builtin", "Agent loop of tool-calling tasks (xlong-tools-v1): builtin (the tool agent, "
-                                    "with compaction, sub-agents and retries), openai-agents, smolagents or "
-                                    "mini-swe-agent (those packages' own loops, unmodified, against the lease's "
-                                    "session base URL; mini-swe-agent acts through the gyre-task command in "
-                                    "bubblewrap).")
+                                    "with compaction, sub-agents and retries), openai-agents, smolagents, "
+                                    "mini-swe-agent, claude-code or codex (those packages' own loops, unmodified, "
+                                    "against the lease's session base URL; mini-swe-agent acts through the "
+                                    "gyre-task command in bubblewrap, the Claude Code and Codex CLIs run in "
+                                    "bubblewrap with the gateway their only network).")
     tool_context_limit_tokens: int = setting(512, "Tool agent's context limit before compaction, tokens "
                                                   "(xlong-tools tasks; its system turn lists the tools).")
     fix_turns: int = setting(1, "Attempts after a failing test report, per module.")

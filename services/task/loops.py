@@ -22,14 +22,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.bwrap import SYSTEM_PATHS, existing_paths
+from services.common.bwrap import command_sandbox_args
 
 if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
     from services.task.agent import ExecutionResult
@@ -38,7 +36,7 @@ if TYPE_CHECKING:  # light at import: the CLI and the harness config read LOOPS
 __all__ = ["LOOPS", "THIRD_PARTY_LOOPS", "MAX_REPLY_TOKENS", "Tools", "run_third_party", "run_smolagents",
            "smolagents_agent", "smolagents_model"]
 
-THIRD_PARTY_LOOPS = ("openai-agents", "smolagents", "mini-swe-agent")
+THIRD_PARTY_LOOPS = ("openai-agents", "smolagents", "mini-swe-agent", "claude-code", "codex")
 LOOPS = ("builtin", *THIRD_PARTY_LOOPS)
 MAX_REPLY_TOKENS = 48  # a loop's max_tokens per call: the longest tool call the task needs, with room
 
@@ -179,23 +177,6 @@ def _smolagents(tools: Tools, base_url: str, *, temperature: float, max_turns: i
         model.client.close()
 
 
-def _sandbox_args(bin_dir: Path) -> list[str]:
-    """bubblewrap's arguments around each command mini-swe-agent runs (its ``wrapper_args``; it
-    adds the working directory's bind and ``bash -c``): no network, a private /tmp, the system
-    read-only, and ``gyre-task`` with its socket."""
-    if os.geteuid() == 0:  # no user namespace as root: namespaces of their own, no capabilities
-        argv = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                "--cap-drop", "ALL"]
-    else:
-        argv = ["--unshare-all", "--cap-drop", "ALL"]
-    argv += ["--die-with-parent", "--new-session", "--hostname", "gyre-task", "--clearenv",
-             "--setenv", "PATH", f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
-             "--setenv", "PAGER", "cat", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    for path in existing_paths([*SYSTEM_PATHS, sys.base_prefix]):
-        argv += ["--ro-bind", path, path]
-    return argv + ["--bind", str(bin_dir), str(bin_dir)]
-
-
 def _mini_swe_agent(tools: Tools, base_url: str, *, temperature: float, max_turns: int, timeout_s: float) -> str:
     """mini-swe-agent (PyPI, pinned, its ``mini`` CLI unmodified) in a process of its own: its
     model is the session URL, its commands run in bubblewrap (no network) in a fresh working
@@ -235,7 +216,7 @@ def _mini_swe_agent(tools: Tools, base_url: str, *, temperature: float, max_turn
                   "cost_tracking": "ignore_errors",
                   "model_kwargs": {"api_base": base_url, "temperature": temperature, "max_tokens": MAX_REPLY_TOKENS}},
         "environment": {"environment_class": "bubblewrap", "cwd": str(work), "timeout": 30,
-                        "env": {"HOME": str(work)}, "wrapper_args": _sandbox_args(bin_dir)},
+                        "env": {"HOME": str(work)}, "wrapper_args": command_sandbox_args(bin_dir)},
     }
     (root / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     trajectory = root / "trajectory.json"
@@ -296,9 +277,15 @@ def run_third_party(loop: str, task: TaskSpec, *, base_url: str, temperature: fl
     if timeout_s <= 0:
         result.status = "timeout"
         return result
-    run = {"openai-agents": _openai_agents, "smolagents": _smolagents, "mini-swe-agent": _mini_swe_agent}[loop]
     try:
-        result.events[run(tools, base_url, temperature=temperature, max_turns=max_turns, timeout_s=timeout_s)] += 1
+        if loop in ("claude-code", "codex"):  # the CLI samples as it does (its own temperature)
+            from services.task.cli_loops import run_cli
+
+            ended = run_cli(loop, tools, base_url, max_turns=max_turns, timeout_s=timeout_s, served=_served_model)
+        else:
+            run = {"openai-agents": _openai_agents, "smolagents": _smolagents, "mini-swe-agent": _mini_swe_agent}[loop]
+            ended = run(tools, base_url, temperature=temperature, max_turns=max_turns, timeout_s=timeout_s)
+        result.events[ended] += 1
     except (TimeoutError, asyncio.TimeoutError):
         result.status = "timeout"
     except ExecutionCancelled:

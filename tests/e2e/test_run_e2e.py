@@ -149,7 +149,7 @@ def test_gyre_run_harness_openai_agents(tmp_path: Path) -> None:
     assert [e["step"] for e in result.evals] == [0, 1]
     assert sum(e["tool_calls"] for e in ended) > 0  # the Agent called the task's tools
     with pytest.raises(ValueError, match="not available"):
-        load_run(["--harness", "claude-code"])
+        load_run(["--harness", "aider"])
 
 
 @pytest.mark.timeout(900)
@@ -196,6 +196,35 @@ def test_gyre_run_harness_mini_swe_agent(tmp_path: Path) -> None:
     # gets the arguments wrong: those get the usage error, and count here too)
     assert sum(e["events"].get("gyre_task_commands", 0) for e in ended) > 0, ended
     assert all(e["status"] in ("finished", "timeout") for e in ended), ended
+
+
+@pytest.mark.timeout(900)
+def test_gyre_run_harness_claude_code(tmp_path: Path) -> None:
+    """`gyre run --harness claude-code`: each execution is run by the pinned, unmodified Claude
+    Code CLI (`claude -p`, its Anthropic base URL the lease's session URL) in bubblewrap, where its
+    only network is a loopback port bridged to the gateway and ``gyre-task`` reaches the
+    execution's tools. Its Messages calls are recorded as TITO, packed and trained, and reward
+    grades the workspaces. (A quickly warm-started tool model has not seen Claude Code's dialect:
+    what it writes decides how many calls an execution makes, not whether the path works.)"""
+    import shutil
+
+    from services.task.clis import CLAUDE_CODE, CliUnavailable
+    from services.task.tool_model import ToolModelSpec
+    from tests.support.clis import npm_cli
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (make install)")
+    try:
+        npm_cli(*CLAUDE_CODE)  # installed once per checkout (the loop would install it on first use)
+    except CliUnavailable as exc:
+        pytest.skip(str(exc))
+    result, ended = _run_through_loop(tmp_path, "claude-code", ToolModelSpec(
+        corpus_tasks=20, demo_tasks=20, snippet_steps=40, sft_steps=20, shell_demo_tasks=0,
+        smolagents_demo_tasks=0))
+    assert all(e["status"] in ("finished", "timeout") for e in ended), ended
+    # every execution's CLI called the model through the bridge and exited by itself
+    assert all(e["events"].get("claude-code_exit_0", 0) == 1 for e in ended), ended
+    assert result.steps[0]["tree_tokens"] > 1000  # its system prompt and Bash tool reached the model
 
 
 def _run_through_loop(tmp_path: Path, loop: str, model_spec: Any) -> tuple[Any, list[dict[str, Any]]]:

@@ -1,6 +1,7 @@
 """Run a third-party CLI in a network namespace whose only reachable address is the test's gateway.
 
-Outside (the test process): ``UnixToTcp`` serves a Unix socket and forwards every connection to the
+The bridge is the product's (services.task.netbridge, which the CLI loops of ``gyre run --harness``
+use in bubblewrap); here it runs under ``unshare --net``. Outside (the test process): ``UnixToTcp`` serves a Unix socket and forwards every connection to the
 gateway's TCP address. Inside: ``python -m tests.support.netns PORT SOCKET -- CMD...``, started
 under ``unshare --net``, brings up loopback, listens on ``127.0.0.1:PORT`` forwarding every
 connection to the Unix socket (a filesystem object, so it crosses the namespace boundary), then
@@ -11,74 +12,14 @@ counts what reached the gateway.
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
+from services.task.netbridge import UnixToTcp, inside
 
-def _pipe(a: socket.socket, b: socket.socket) -> None:
-    """Copy ``a`` -> ``b`` until ``a`` closes, then half-close ``b``."""
-    try:
-        while chunk := a.recv(1 << 16):
-            b.sendall(chunk)
-    except OSError:
-        pass
-    finally:
-        try:
-            b.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-
-def _splice(a: socket.socket, b: socket.socket) -> None:
-    t = threading.Thread(target=_pipe, args=(b, a), daemon=True)
-    t.start()
-    _pipe(a, b)
-    t.join()
-    a.close()
-    b.close()
-
-
-def _serve(listener: socket.socket, connect: Callable[[], socket.socket],
-           on_accept: Callable[[], None] | None = None) -> None:
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            return
-        if on_accept is not None:
-            on_accept()
-        try:
-            upstream = connect()
-        except OSError:
-            conn.close()
-            continue
-        threading.Thread(target=_splice, args=(conn, upstream), daemon=True).start()
-
-
-class UnixToTcp:
-    """A Unix socket at ``path`` whose connections go to ``host:port`` (the gateway)."""
-
-    def __init__(self, path: Path, host: str, port: int) -> None:
-        self.path = path
-        self.connections = 0
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
-        self._listener.listen(64)
-
-        def count() -> None:
-            self.connections += 1
-
-        threading.Thread(target=_serve, args=(self._listener, lambda: socket.create_connection((host, port)), count),
-                         daemon=True).start()
-
-    def close(self) -> None:
-        self._listener.close()
+__all__ = ["UnixToTcp", "netns_available", "command", "main"]
 
 
 def netns_available() -> str:
@@ -95,21 +36,8 @@ def command(port: int, sock: Path, cmd: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    port, sock, sep, *cmd = argv
-    assert sep == "--" and cmd, "usage: python -m tests.support.netns PORT SOCKET -- CMD..."
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", int(port)))
-    listener.listen(64)
-
-    def to_unix() -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(sock)
-        return s
-
-    threading.Thread(target=_serve, args=(listener, to_unix), daemon=True).start()
-    return subprocess.run(cmd, env=os.environ).returncode
+    assert len(argv) >= 4 and argv[2] == "--", "usage: python -m tests.support.netns PORT SOCKET -- CMD..."
+    return inside(argv)
 
 
 if __name__ == "__main__":

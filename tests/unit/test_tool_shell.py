@@ -17,7 +17,8 @@ import pytest
 
 from services.task.agent import ExecutionResult
 from services.task.demos import DemoNoise, sloppy_line
-from services.task.loops import Tools, _sandbox_args
+from services.common.bwrap import command_sandbox_args
+from services.task.loops import Tools
 from services.task.spec import TaskParams, generate_task
 from services.task.tool_agent import ToolAgentConfig
 from services.task.tool_demos import ToolDemonstrator, decide_shell, run_shell_demo
@@ -85,7 +86,7 @@ def test_the_command_in_the_sandbox_reaches_the_task_and_nothing_else(tmp_path: 
     server = TaskSocket(bin_dir / "task.sock", handle)
 
     def run(command: str) -> subprocess.CompletedProcess[str]:
-        argv = ["bwrap", *_sandbox_args(bin_dir), "--bind", str(work), str(work), "--chdir", str(work),
+        argv = ["bwrap", *command_sandbox_args(bin_dir), "--bind", str(work), str(work), "--chdir", str(work),
                 "bash", "-c", command]
         return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
