@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.run import load_run, run_job  # noqa: E402
 
-LOOPS = ("builtin", "builtin-linear", "openai-agents", "smolagents", "mini-swe-agent")
+LOOPS = ("builtin", "builtin-linear", "openai-agents", "smolagents", "mini-swe-agent", "claude-code", "codex")
 # The control: the built-in tool agent without its compaction, sub-agents and branch retries (a
 # linear conversation, as the third-party loops have), set through the harness's environment.
 LINEAR = {"GYRE_HARNESS_TOOL_CONTEXT_LIMIT_TOKENS": "1000000", "GYRE_HARNESS_DELEGATE_EVERY": "0",

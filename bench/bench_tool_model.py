@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tool_model.md"))
     ap.add_argument("--keep-in", default="", help="a model cache directory to copy the built model into "
                     "(e.g. .gyre/models, so gyre run and bench_harness_loops do not build it again)")
+    ap.add_argument("--model", default="", help="measure this built tool model directory instead of building "
+                    "one (its build time is the one its stamp recorded)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a ToolModelSpec field of a variant to measure instead of the default "
                          "(e.g. --set smolagents_demo_tasks=100 --set sft_steps=600); repeatable")
@@ -49,9 +51,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="gyre-tool-model-") as cache:
         t0 = time.monotonic()
-        path = ensure_tool_model(cache, spec=spec)
+        path = Path(args.model) if args.model else ensure_tool_model(cache, spec=spec)
         wall = time.monotonic() - t0
         stamp = json.loads((path / "gyre_build.json").read_text())
+        if args.model:
+            wall = float(stamp.get("build_s", 0.0))
         if args.keep_in:
             import shutil
 
@@ -67,6 +71,7 @@ def main() -> None:
         sampled = evaluate(client, ids[:args.sampled], codec=codec, concurrency=1, temperature=1.0)
         shell = _shell_pass_rate(client, codec, ids)
         smol = _smolagents_pass_rate(client, codec, ids)
+        claude = _claude_code_pass_rate(client, codec, ids)
     lines = [
         "# The built-in tool-calling model (`builtin-tools`)",
         "",
@@ -77,18 +82,21 @@ def main() -> None:
         "",
         "| build wall | vocabulary | system turn (tokens) | warm-start loss first -> last | "
         "held-out greedy pass (reward) | held-out sampled T=1 pass (reward) | shell dialect greedy pass | "
-        "smolagents loop greedy pass |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "smolagents loop greedy pass | Claude Code conversation greedy pass |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| {wall:.0f} s | {stamp['vocab']} | {len(system)} | {stamp['sft_loss_first']:.2f} -> "
         f"{stamp['sft_loss_last']:.3f} | {greedy.pass_rate:.3f} ({greedy.mean_reward:.2f}) on {args.tasks} | "
         f"{sampled.pass_rate:.3f} ({sampled.mean_reward:.2f}) on {args.sampled} | {shell:.3f} on {args.tasks} | "
-        f"{smol:.3f} on {args.tasks} |",
+        f"{smol:.3f} on {args.tasks} | {claude:.3f} on {args.tasks} |",
         "",
         "The shell dialect: the same held-out tasks as mini-swe-agent runs them (``gyre-task`` commands "
         "in bash calls, one conversation, no compaction; services.task.tool_demos.run_shell_demo), greedy.",
         "smolagents' loop: its ToolCallingAgent, unmodified, on the same tasks, its requests through the gateway's "
         "endpoint code in process (services.task.local_gateway; a required call's opening forced and its "
         "arguments sampled under the engine's grammar, as on the live stack), greedy.",
+        "Claude Code's conversation: the bodies the pinned CLI sends in the claude-code loop (its system, its Bash "
+        "tool, ``gyre-task`` commands; services.task.claude_code_dialect), through the gateway's Messages endpoint "
+        "code in process, greedy (the live CLI sends no temperature: the engine samples at 1).",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -147,6 +155,23 @@ def _smolagents_pass_rate(client: object, codec: object, ids: list[str]) -> floa
         env = run_smolagents_demo(task, client, codec=codec, fix_turns=1,  # type: ignore[arg-type]
                                   max_turns=6 * sum(len(m.steps) + 2 for m in task.modules), rng=random.Random(n),
                                   temperature=0.0, execution_id=f"heldout-{n}")
+        passed += all(env.module_passed.get(m.name) for m in task.modules)
+    return passed / len(ids)
+
+
+def _claude_code_pass_rate(client: object, codec: object, ids: list[str]) -> float:
+    """Held-out tasks solved whole through Claude Code's conversation, greedy."""
+    import random
+
+    from services.task.spec import task_from_id
+    from services.task.tool_demos import run_claude_code_demo
+
+    passed = 0
+    for n, tid in enumerate(ids):
+        task = task_from_id(tid)
+        env = run_claude_code_demo(task, client, codec=codec, fix_turns=1,  # type: ignore[arg-type]
+                                   max_turns=6 * sum(len(m.steps) + 2 for m in task.modules), rng=random.Random(n),
+                                   temperature=0.0, execution_id=f"heldout-{n}")
         passed += all(env.module_passed.get(m.name) for m in task.modules)
     return passed / len(ids)
 

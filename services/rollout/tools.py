@@ -302,7 +302,8 @@ def prepare_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[st
                      raw: RawReplies, *, template_tools: bool) -> list[dict[str, Any]]:
     """Messages as the template renders them: assistant tool calls as their raw generated text
     (or, unknown here, in the format's syntax), tool results as role "tool", the fallback's
-    tool instructions in the system message. Checks tool names and call ids."""
+    tool instructions in the system message. Checks tool names (but for calls this gateway
+    returned) and call ids."""
     names = {t["name"] for t in tools}
     open_ids: set[str] = set()
     out: list[dict[str, Any]] = []
@@ -317,7 +318,10 @@ def prepare_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[st
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
                     raise InvalidArgument(f"messages[{i}].tool_calls[{j}] must have an id and function.name")
-                if tools and fn["name"] not in names:
+                # a call to a tool the request does not declare is bad input, unless this gateway
+                # returned it: the model wrote it, the client sends it back with its answer (Claude
+                # Code: "No such tool available"), and the conversation stays one recorded path
+                if tools and fn["name"] not in names and raw.get(c["id"]) is None:
                     raise InvalidArgument(f"messages[{i}] calls tool {fn['name']!r}, which is not in 'tools'")
                 parsed.append(ToolCall(fn["name"], str(fn.get("arguments") or "{}"), c["id"]))
                 open_ids.add(c["id"])

@@ -35,8 +35,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from services.common.bwrap import command_sandbox_args
+from services.common.logging import get_logger
 
 __all__ = ["CLI_LOOPS", "PORT", "run_cli", "sandbox_argv", "claude_code_argv", "codex_argv"]
+
+log = get_logger(__name__)
 
 CLI_LOOPS = ("claude-code", "codex")
 PORT = 8080  # the gateway, as the CLI sees it inside its namespace
@@ -66,8 +69,8 @@ def codex_argv(exe: Path, task_message: str, *, session_url: str, served: str) -
             task_message]
 
 
-def _claude_outcome(stdout: str) -> str:
-    """Claude Code's ``--output-format json`` result: its subtype says how the run ended."""
+def _claude_outcome(stdout: str) -> tuple[str, str]:
+    """Claude Code's ``--output-format json`` result: how the run ended, and its error if any."""
     for line in reversed(stdout.splitlines()):
         try:
             result = json.loads(line)
@@ -75,20 +78,28 @@ def _claude_outcome(stdout: str) -> str:
             continue
         if isinstance(result, dict) and result.get("type") == "result":
             if result.get("subtype") == "error_max_turns":
-                return "turn_cap"
-            return "loop_gave_up" if result.get("is_error") else "final_reply"
-    return "loop_gave_up"
+                return "turn_cap", ""
+            if result.get("is_error"):
+                return "loop_gave_up", str(result.get("result") or result.get("terminal_reason") or "")[:300]
+            return "final_reply", ""
+    return "loop_gave_up", "no result on its stdout"
 
 
-def _codex_outcome(stdout: str) -> str:
-    """Codex's ``--json`` events: a completed turn is its final reply."""
-    kinds = []
+def _codex_outcome(stdout: str) -> tuple[str, str]:
+    """Codex's ``--json`` events: a completed turn is its final reply; else its last error."""
+    kinds, errors = [], []
     for line in stdout.splitlines():
         try:
-            kinds.append(json.loads(line).get("type", ""))
-        except (ValueError, AttributeError):
+            event = json.loads(line)
+        except ValueError:
             continue
-    return "final_reply" if "turn.completed" in kinds else "loop_gave_up"
+        if isinstance(event, dict):
+            kinds.append(event.get("type", ""))
+            if event.get("type") in ("error", "turn.failed"):
+                errors.append(str(event.get("message") or event.get("error") or "")[:300])
+    if "turn.completed" in kinds:
+        return "final_reply", ""
+    return "loop_gave_up", errors[-1] if errors else "no completed turn on its stdout"
 
 
 def sandbox_argv(root: Path, bin_dir: Path, work: Path, home: Path, ro_dirs: list[Path], env: dict[str, str],
@@ -193,7 +204,11 @@ def run_cli(loop: str, tools: Any, base_url: str, *, max_turns: int, timeout_s: 
             raise RuntimeError(f"{loop} exited {proc.returncode} without calling the model: "
                                f"{(stderr or stdout).strip()[-500:]}")
         tools.result.events[f"{loop}_exit_{proc.returncode}"] += 1
-        return outcome(stdout)
+        ended, error = outcome(stdout)
+        if error:  # the CLI's own words (e.g. a reply past its max output tokens): the run's log says why
+            log.info("CLI run ended with an error", loop=loop, exit_code=proc.returncode, error=error,
+                     calls=bridge.connections)
+        return ended
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

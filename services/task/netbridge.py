@@ -16,9 +16,10 @@ the gateway. Bytes pass through unchanged (TLS included).
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -92,17 +93,21 @@ class UnixToTcp:
         self._listener.close()
 
 
+def _loopback_up() -> None:
+    """Bring loopback up where the namespace left it down (``unshare --net`` does; bubblewrap
+    brings it up itself): bound while down, 127.0.0.1 accepts no connection (they hang)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this namespace's lo (sysfs may show another's)
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), 0x8913, request))[1]  # SIOCGIFFLAGS
+    if not flags & 0x1:  # IFF_UP
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+
+
 def _listen(port: int) -> socket.socket:
+    _loopback_up()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind(("127.0.0.1", port))
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL:
-            raise
-        # a namespace from `unshare --net` has loopback down (bubblewrap brings it up itself)
-        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-        listener.bind(("127.0.0.1", port))
+    listener.bind(("127.0.0.1", port))
     listener.listen(64)
     return listener
 

@@ -16,9 +16,11 @@ import re
 import shlex
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
+from services.task.claude_code_dialect import CLAUDE_CODE_BASH_TOOL
 from services.task.agent import CallContext, Generation, ModelClient, Sampling
 from services.task.demos import DemoCall, DemoNoise, Demonstrations, sloppy_line, training_sequences
 from services.task.spec import TaskParams, TaskSpec, generate_task
@@ -29,13 +31,16 @@ from services.task.tool_shell import (BASH_TOOL, COMMAND, SHELL_INSTRUCTIONS, SU
                                       shell_task_message)
 from services.task.tool_tokenizer import IM_END, IM_START, ToolCodec, render_system, render_turn
 
-__all__ = ["ToolDemonstrator", "decide", "decide_shell", "decide_smolagents", "collect_tool_demonstrations",
-           "demo_texts", "turn_snippets", "run_shell_demo", "run_smolagents_demo", "DIALECTS"]
+__all__ = ["ToolDemonstrator", "decide", "decide_shell", "decide_smolagents", "decide_claude_code",
+           "collect_tool_demonstrations", "demo_texts", "turn_snippets", "run_shell_demo", "run_smolagents_demo",
+           "run_claude_code_demo", "DIALECTS"]
 
-DIALECTS = ("tools", "shell", "smolagents")
+DIALECTS = ("tools", "shell", "smolagents", "claude-code")
 """The task's tools as functions (the built-in loop, openai-agents), as the ``gyre-task`` command
-behind a bash tool (mini-swe-agent; services.task.tool_shell), or as functions in smolagents' own
-conversation (``New task:``, ``Calling tools:`` / ``Observation:`` turns, ``final_answer`` to end)."""
+behind a bash tool (mini-swe-agent; services.task.tool_shell), as functions in smolagents' own
+conversation (``New task:``, ``Calling tools:`` / ``Observation:`` turns, ``final_answer`` to end),
+or as ``gyre-task`` commands in Claude Code's Bash tool (services.task.claude_code_dialect: its
+system, tool and turns as the pinned CLI sends them; a reply without a call ends its run)."""
 
 FINAL_ANSWER = "final_answer"  # smolagents' tool that ends its loop
 SMOLAGENTS_CONTEXTS = 6  # whole contexts trained per smolagents execution (each of its calls is one)
@@ -86,7 +91,16 @@ def decide_smolagents(text: str, rng: random.Random, noise: DemoNoise) -> str:
     return render_call(FINAL_ANSWER, {"answer": DONE}) if reply == DONE else reply
 
 
-_DECIDE = {"tools": decide, "shell": decide_shell, "smolagents": decide_smolagents}
+def decide_claude_code(text: str, rng: random.Random, noise: DemoNoise) -> str:
+    """`decide` for Claude Code's loop: the same choice as a ``gyre-task`` command in its Bash tool;
+    where it would reply done (the result's hint is the shell dialect's submit command, which that
+    CLI's permissions refuse) it replies ``done`` without a call, which ends the CLI's run."""
+    plain = text.replace(f"next {SUBMIT}", f"reply {DONE}").replace(f"next {COMMAND} ", "next ")
+    call = parse_call(decide(plain, rng, noise))
+    return DONE if call is None else render_call(CLAUDE_CODE_BASH_TOOL["name"], {"command": shell_command(*call)})
+
+
+_DECIDE = {"tools": decide, "shell": decide_shell, "smolagents": decide_smolagents, "claude-code": decide_claude_code}
 
 
 class ToolDemonstrator:
@@ -208,6 +222,57 @@ def run_smolagents_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, 
     return tools.env
 
 
+def run_claude_code_demo(task: TaskSpec, demo: ModelClient, *, codec: ToolCodec, fix_turns: int, max_turns: int,
+                         rng: random.Random, execution_id: str = "claude-code-demo",
+                         model_name: str = "builtin-tools", temperature: float | None = None) -> ToolTask:
+    """One execution the way the ``claude-code`` loop runs it: the task message, then each reply's
+    Bash call run (a ``gyre-task`` command against the task's tools; any other command gets the
+    CLI's permission refusal) and its output sent back, until a reply without a call or
+    ``max_turns``. Returns the workspace (``demo`` may be any `ModelClient`: a model, to see how it
+    does in this loop; ``temperature`` None samples at the endpoint's default, as the CLI does)."""
+    from services.rollout.anthropic_http import from_chat, to_chat
+    from services.task.claude_code_dialect import CLAUDE_CODE_BASH_TOOL, claude_code_request, permission_refusal
+    from services.task.local_gateway import LocalOpenAI
+    from services.task.tool_tokenizer import hf_tokenizer
+
+    tokenizer = hf_tokenizer(codec.tok, model_max_length=1 << 20)
+    env, scope = ToolTask(task, fix_turns=fix_turns), Scope(tuple(m.name for m in task.modules))
+    local = LocalOpenAI(_Seeded(demo, rng), tokenizer=tokenizer, model_name=model_name, max_context=1 << 20,
+                        headers={"x-gyre-execution-id": execution_id}, seed=rng.randrange(1 << 31), constrain=False)
+    fingerprint = f"{rng.randrange(1 << 12):03x}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": shell_task_message(task)}]
+    try:
+        for _ in range(max_turns):
+            body = claude_code_request(messages, fingerprint=fingerprint, model=model_name)
+            if temperature is not None:
+                body["temperature"] = temperature
+            result, _ = local.endpoint.chat(to_chat(body), local.headers)
+            assert result is not None
+            reply = from_chat(result, model_name)
+            content = reply["content"]  # the CLI sends the reply back as it came (the gateway's tool-use ids)
+            calls = [b for b in content if b["type"] == "tool_use"]
+            if not calls:
+                break
+            messages.append({"role": "assistant", "content": content})
+            results = []
+            for call in calls:
+                command = str(call["input"].get("command", "")) if isinstance(call["input"], dict) else ""
+                try:
+                    argv = shlex.split(command)
+                except ValueError:
+                    argv = []
+                if call["name"] == CLAUDE_CODE_BASH_TOOL["name"] and argv and argv[0] == COMMAND:
+                    out = answer(argv[1:], lambda name, args: env.call(name, args, scope).text, lambda: env.hint(scope))
+                    results.append({"tool_use_id": call["id"], "type": "tool_result", "content": out, "is_error": False})
+                else:
+                    results.append({"tool_use_id": call["id"], "type": "tool_result", "is_error": True,
+                                    "content": permission_refusal(call["name"])})
+            messages.append({"role": "user", "content": results})
+    finally:
+        local.close()
+    return env
+
+
 def _executions(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig, noise: DemoNoise,
                 seed: int, dialect: str = "tools") -> Iterator[list[DemoCall]]:
     # Demo tasks come from far up the train seed range so they do not repeat RL's first tasks.
@@ -224,6 +289,10 @@ def _executions(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: 
                                 max_turns=agent.calls_per_step * steps, rng=random.Random(base + k),
                                 max_new_tokens=agent.max_new_tokens, execution_id=f"smolagents-demo-{seed}-{k}",
                                 constrain=False)  # the scripted demonstrator writes valid calls; it cannot mask
+        elif dialect == "claude-code":
+            run_claude_code_demo(task, demo, codec=codec, fix_turns=agent.fix_turns,
+                                 max_turns=agent.calls_per_step * steps, rng=random.Random(base + k),
+                                 execution_id=f"claude-code-demo-{seed}-{k}")
         else:
             run_tool_execution(task, demo, codec=codec, config=agent, execution_id=f"tool-demo-{seed}-{k}",
                                deadline_s=float("inf"))
@@ -243,13 +312,15 @@ def demo_texts(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: T
 
 def collect_tool_demonstrations(codec: ToolCodec, *, num_tasks: int, params: TaskParams, agent: ToolAgentConfig,
                                 noise: DemoNoise, seed: int = 0, shell_tasks: int = 0,
-                                smolagents_tasks: int = 0) -> Demonstrations:
+                                smolagents_tasks: int = 0, claude_code_tasks: int = 0) -> Demonstrations:
     """Run the tool agent with the demonstrator on `num_tasks` train tasks, the shell dialect's
-    loop on `shell_tasks` others and smolagents' loop on `smolagents_tasks` more."""
+    loop on `shell_tasks` others, smolagents' loop on `smolagents_tasks` more and Claude Code's on
+    `claude_code_tasks` more."""
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
     snippets: list[tuple[np.ndarray, np.ndarray]] = []
     im_start = int(codec.encode(IM_START)[0])
-    for dialect, n in (("tools", num_tasks), ("shell", shell_tasks), ("smolagents", smolagents_tasks)):
+    for dialect, n in (("tools", num_tasks), ("shell", shell_tasks), ("smolagents", smolagents_tasks),
+                       ("claude-code", claude_code_tasks)):
         for calls in _executions(codec, num_tasks=n, params=params, agent=agent, noise=noise, seed=seed,
                                  dialect=dialect):
             whole = training_sequences(calls)

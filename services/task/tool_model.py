@@ -30,11 +30,12 @@ from typing import Any
 from services.task.model import ModelSpecBase, build_facts, builtin_config, ensure_model_dir, torch_threads, warm_start
 from services.task.tool_agent import ToolAgentConfig
 from services.task.tool_env import INSTRUCTIONS, TOOLS
+from services.task.claude_code_dialect import CLAUDE_CODE_BASH_TOOL, CLAUDE_CODE_IDENTITY, CLAUDE_CODE_VERSION
 from services.task.tool_shell import BASH_TOOL, CLIENT, SHELL_INSTRUCTIONS
 
 __all__ = ["ToolModelSpec", "ensure_tool_model", "MODEL_NAME", "TOOL_BUILD_VERSION"]
 
-TOOL_BUILD_VERSION = "builtin-tools-v2"  # v2: smolagents contexts include the final_answer call
+TOOL_BUILD_VERSION = "builtin-tools-v3"  # v2: smolagents contexts include the final_answer call; v3: Claude Code
 MODEL_NAME = "builtin-tools"
 
 
@@ -63,22 +64,28 @@ class ToolModelSpec(ModelSpecBase):
     requests through the gateway's endpoint code; services.task.tool_demos.run_smolagents_demo);
     0: the model has never seen that loop's conversation (bench/results/tool_model.md measures
     the mix of the three dialects)."""
+    claude_code_demo_tasks: int = 60
+    """Train tasks the demonstrator solves through Claude Code's conversation (its system, Bash
+    tool and turns as the pinned CLI sends them in the claude-code loop; services.task.
+    claude_code_dialect); 0: the model has never seen that CLI's requests."""
     agent: ToolAgentConfig = field(default_factory=ToolAgentConfig)
     """Tool-agent knobs of the demonstration runs."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if (self.corpus_tasks < 1 or self.shell_demo_tasks < 0 or self.smolagents_demo_tasks < 0
-                or not 300 <= self.vocab_size <= 65_536):
-            raise ValueError("corpus_tasks must be >= 1, shell_demo_tasks and smolagents_demo_tasks >= 0 and "
-                             "vocab_size in [300, 65536].")
+                or self.claude_code_demo_tasks < 0 or not 300 <= self.vocab_size <= 65_536):
+            raise ValueError("corpus_tasks must be >= 1, shell_demo_tasks, smolagents_demo_tasks and "
+                             "claude_code_demo_tasks >= 0 and vocab_size in [300, 65536].")
 
     def digest(self) -> str:
         # the tools and instructions are what the model is trained to see: a change to them rebuilds it
         # so is the loop whose conversation it learns (its prompts are its own: they come with its version)
         smolagents = version("smolagents") if self.smolagents_demo_tasks else ""
         blob = json.dumps({"version": TOOL_BUILD_VERSION, "tools": TOOLS, "instructions": INSTRUCTIONS,
-                           "shell": [SHELL_INSTRUCTIONS, BASH_TOOL, CLIENT], "smolagents": smolagents, **asdict(self)},
+                           "shell": [SHELL_INSTRUCTIONS, BASH_TOOL, CLIENT], "smolagents": smolagents,
+                           "claude_code": [CLAUDE_CODE_VERSION, CLAUDE_CODE_IDENTITY, CLAUDE_CODE_BASH_TOOL],
+                           **asdict(self)},
                           sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -97,7 +104,8 @@ def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
         unbounded = replace(spec.agent, context_limit_tokens=1 << 30, max_new_tokens=1024, summary_max_new_tokens=1024)
         # smolagents' loop: a quarter as many tasks (its turns repeat the same framing)
         corpus = {"tools": spec.corpus_tasks, "shell": spec.corpus_tasks if spec.shell_demo_tasks else 0,
-                  "smolagents": -(-spec.corpus_tasks // 4) if spec.smolagents_demo_tasks else 0}
+                  "smolagents": -(-spec.corpus_tasks // 4) if spec.smolagents_demo_tasks else 0,
+                  "claude-code": -(-spec.corpus_tasks // 4) if spec.claude_code_demo_tasks else 0}
         texts = [text for dialect, n in corpus.items() if n
                  for text in demo_texts(boot, num_tasks=n, params=spec.task, agent=unbounded,
                                         noise=spec.noise, seed=spec.seed + 1, dialect=dialect)]
@@ -107,7 +115,8 @@ def _build(out_dir: Path, spec: ToolModelSpec) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_config(builtin_config(spec, codec), attn_implementation="sdpa")
         demos = collect_tool_demonstrations(codec, num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent,
                                             noise=spec.noise, seed=spec.seed, shell_tasks=spec.shell_demo_tasks,
-                                            smolagents_tasks=spec.smolagents_demo_tasks)
+                                            smolagents_tasks=spec.smolagents_demo_tasks,
+                                            claude_code_tasks=spec.claude_code_demo_tasks)
         losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)
         save_hf_tokenizer(tok, out_dir, model_max_length=spec.max_positions)

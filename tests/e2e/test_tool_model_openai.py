@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return ensure_tool_model(tmp_path_factory.mktemp("models"),
                              spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20,
-                                               shell_demo_tasks=0, smolagents_demo_tasks=0))
+                                               shell_demo_tasks=0, smolagents_demo_tasks=0, claude_code_demo_tasks=0))
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A short warm start: it writes well-formed calls often enough, and fails and retries often.
     return ensure_tool_model(tmp_path_factory.mktemp("models"),
                              spec=ToolModelSpec(corpus_tasks=20, demo_tasks=40, snippet_steps=40, sft_steps=20,
-                                               shell_demo_tasks=0, smolagents_demo_tasks=0))
+                                               shell_demo_tasks=0, smolagents_demo_tasks=0, claude_code_demo_tasks=0))
 
 
 @pytest.fixture

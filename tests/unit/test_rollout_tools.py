@@ -77,6 +77,13 @@ def test_messages_render_raw_replies_match_tool_results_and_carry_the_fallback_b
     assert out[2] == {"role": "assistant", "content": generated}  # exactly as generated, not re-serialized
     assert out[3] == {"role": "tool", "content": "m1 pass 2 / 2", "tool_call_id": "call_a"}
     assert out[0]["content"].startswith("You write code.\n\nYou can call functions.") and "<tools>" in out[0]["content"]
+    # a call this gateway returned to a tool the request does not declare (the model wrote it; the
+    # client answers it, as Claude Code does with "No such tool available"): kept, as generated
+    raw.put(["call_x"], '<tool_call>{"name":"write_line","arguments":{}}</tool_call>')
+    stray = [history[1], {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_x", "type": "function", "function": {"name": "write_line", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "call_x", "content": "No such tool available: write_line"}]
+    assert prepare_messages(stray, tools, f, raw, template_tools=True)[1]["content"] == raw.get("call_x")
     # an id this gateway never returned: rendered in the format's own syntax
     history[2]["tool_calls"][0]["id"] = "call_elsewhere"
     history[3]["tool_call_id"] = "call_elsewhere"
