@@ -20,7 +20,9 @@ arguments) are enforced by the engine's grammar (``services/rollout/grammar.py``
 
 Session base URLs: ``/s/<token>/v1/...`` (the token from a lease's ``session_base_url`` or
 ``Worker.MintSession``) serves the same routes for a harness that knows only a base URL: the
-session says the job, execution, agent, role and attempt, and those win over any header.
+session says the job, execution, agent, role and attempt, and those win over any header; a call
+through it that sends no ``temperature`` samples at the execution's (0 for a greedy evaluation:
+Claude Code, for one, sends none), otherwise at 1.
 Errors are OpenAI-style JSON: 400 bad input, 401 bad bearer token, 404 unknown route/model/session,
 410 a session whose execution ended or was leased again, 413 too large, 503 no engine.
 """
@@ -97,6 +99,8 @@ class OpenAIEndpoint:
             raise SessionEnded(ended)
         out = {"x-gyre-job-id": s.job_id, "x-gyre-execution-id": s.execution_id, "x-gyre-agent-id": s.agent_id,
                "x-gyre-role": s.role, "x-gyre-attempt": str(s.attempt)}
+        if s.temperature is not None:  # what a call that sends no temperature samples at
+            out[SESSION_TEMPERATURE] = repr(s.temperature)
         call_id = headers.get("x-gyre-call-id")
         if call_id:
             out["x-gyre-call-id"] = call_id
@@ -118,7 +122,7 @@ class OpenAIEndpoint:
                         call_id=field("call_id") or uuid.uuid4().hex, agent_id=field("agent_id"),
                         role=field("role") or "main", attempt=int(attempt))
 
-    def _params(self, body: dict[str, Any]) -> SamplingParams:
+    def _params(self, body: dict[str, Any], headers: Any = None) -> SamplingParams:
         if body.get("model") not in (None, "", self.model_name):
             raise NotFound(f"model {body.get('model')!r} does not exist; this gateway serves {self.model_name!r}")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
@@ -126,7 +130,9 @@ class OpenAIEndpoint:
         stop_ids += self._stops(body)[0]
         seed = body.get("seed")
         try:
-            return SamplingParams(temperature=float(body.get("temperature", 1.0)),
+            default = (headers or {}).get(SESSION_TEMPERATURE) or 1.0  # a session's, set by session_headers alone
+            temperature = body.get("temperature")
+            return SamplingParams(temperature=float(default if temperature is None else temperature),
                                   top_p=float(body.get("top_p", 1.0) or 1.0), top_k=int(body.get("top_k", 0) or 0),
                                   max_new_tokens=int(max_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)),
                                   seed=None if seed is None else int(seed), top_logprobs=_top_n(body),
@@ -190,7 +196,7 @@ class OpenAIEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("'messages' must be a non-empty list")
-        meta, params = self._meta(body, headers), self._params(body)
+        meta, params = self._meta(body, headers), self._params(body, headers)
         tools = tools_mod.parse_tools(body.get("tools"))
         choice = tools_mod.parse_tool_choice(body.get("tool_choice"), tools)
         fmt = self.tool_format
@@ -240,7 +246,7 @@ class OpenAIEndpoint:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        meta, params = self._meta(body, headers), self._params(body)
+        meta, params = self._meta(body, headers), self._params(body, headers)
         session = (meta.execution_id, meta.agent_id)
         if isinstance(prompt, str):
             rendered = self.prompts.render_text(session, prompt)
@@ -314,7 +320,8 @@ class OpenAIEndpoint:
             remember(ids, text, stop_text)
             gyre: dict[str, Any] = {"execution_id": meta.execution_id, "call_id": meta.call_id,
                                     "weight_version": call.result().weight_version,
-                                    "reused_prompt_tokens": rendered.reused_tokens}
+                                    "reused_prompt_tokens": rendered.reused_tokens,
+                                    "temperature": params.temperature}
             if want_ids:
                 gyre["prompt_ids"] = call.prompt_ids.tolist()
                 gyre["output_ids"] = ids.tolist()
@@ -570,6 +577,11 @@ def _logprobs(tokenizer: Any, output: tuple[np.ndarray, np.ndarray], kind: str,
                             for t, lp, top in zip(tokens, lps.tolist(), alt)]}
     return {"tokens": tokens, "token_logprobs": lps.tolist(),
             "top_logprobs": [dict(top) for top in alt] if tops is not None else None, "text_offset": None}
+
+
+SESSION_TEMPERATURE = "x-gyre-session-temperature"
+"""The header ``session_headers`` sets (never a client's: a plain route's headers do not reach
+``_params`` under this name unless the client sent it, which only sets its own default)."""
 
 
 class SessionEnded(Exception):

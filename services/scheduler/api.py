@@ -33,6 +33,7 @@ from services.scheduler.jobs import (
     JobStatus,
     Lease,
     eval_job_id,
+    lease_temperature,
     HARNESSES,
     MAX_JOB_ID,
     check_id,
@@ -254,11 +255,14 @@ class SchedulerApi:
 
     def _mint(self, job_id: str, evaluation: bool, execution_id: str, agent_id: str, role: str, attempt: int,
               deadline_s: float) -> tuple[str, str]:
-        """A session of one agent of a leased execution, live until a minute past its deadline:
+        """A session of one agent of a leased execution, live until a minute past its deadline, with
+        the execution's temperature (what a call that sends none samples at: a CLI such as Claude
+        Code has no temperature setting, and a greedy evaluation must still be greedy):
         (token, base URL; "" while no gateway published its endpoint)."""
         token = self.sessions.mint(job_id=eval_job_id(job_id) if evaluation else job_id, execution_id=execution_id,
                                    agent_id=agent_id, role=role, attempt=attempt,
-                                   ttl_s=deadline_s - self.state.clock() + 60)
+                                   ttl_s=deadline_s - self.state.clock() + 60,
+                                   temperature=lease_temperature(evaluation, self.job_spec(job_id)))
         base = self.sessions.http_url()
         return token, session_base_url(base, token) if base else ""
 

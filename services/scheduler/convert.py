@@ -14,6 +14,7 @@ from services.scheduler.jobs import (
     Algorithm,
     Evaluation,
     eval_job_id,
+    lease_temperature,
     CellRecord,
     Event,
     ExecState,
@@ -156,7 +157,7 @@ def lease_to_proto(lz: Lease, job: JobSpec) -> scheduler_pb2.ExecutionLease:
         lease_expires_s=lz.lease_expires_s, model=job.model, timeout_policy=TIMEOUT_TO_PB[job.timeout_policy],
         evaluation=lz.evaluation, greedy=lz.evaluation and job.evaluation.greedy,
         record_job_id=eval_job_id(lz.job_id) if lz.evaluation else lz.job_id,
-        temperature=0.0 if lz.evaluation and job.evaluation.greedy else job.algorithm.temperature,
+        temperature=lease_temperature(lz.evaluation, job),
         session_token=lz.session_token, session_base_url=lz.session_base_url)
 
 

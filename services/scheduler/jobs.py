@@ -468,3 +468,8 @@ class Event:
 def spec_dict(spec: JobSpec) -> dict[str, Any]:
     """The spec as plain JSON-able data (for logs and the CLI)."""
     return json.loads(spec.to_json())
+
+
+def lease_temperature(evaluation: bool, job: JobSpec) -> float:
+    """An execution's sampling temperature: 0 for a greedy evaluation, else the job's."""
+    return 0.0 if evaluation and job.evaluation.greedy else job.algorithm.temperature

@@ -32,6 +32,9 @@ class Session:
     agent_id: str
     role: str
     attempt: int
+    # the execution's sampling temperature: a call through the session that sends none samples at it
+    # (0 for a greedy evaluation); None: the endpoint's default
+    temperature: float | None = None
 
 
 class Sessions:
@@ -49,14 +52,16 @@ class Sessions:
         v = self.r.get(self.keys.gateway_http)
         return v.decode() if isinstance(v, bytes) else (v or "")
 
-    def mint(self, *, job_id: str, execution_id: str, agent_id: str, role: str, attempt: int, ttl_s: float) -> str:
+    def mint(self, *, job_id: str, execution_id: str, agent_id: str, role: str, attempt: int, ttl_s: float,
+             temperature: float | None = None) -> str:
         if role not in AGENT_ROLES:
             raise ValueError(f"role is {role!r}; expected one of {', '.join(AGENT_ROLES)}")
         token = secrets.token_urlsafe(24)  # 192 bits
         key = self.keys.session(token)
         with self.r.pipeline() as pipe:
             pipe.hset(key, mapping={"job_id": job_id, "execution_id": execution_id, "agent_id": agent_id,
-                                    "role": role, "attempt": attempt})
+                                    "role": role, "attempt": attempt,
+                                    "temperature": "" if temperature is None else repr(float(temperature))})
             pipe.pexpire(key, max(1000, int(ttl_s * 1000)))
             pipe.execute()
         return token
@@ -70,8 +75,9 @@ class Sessions:
             return None
         g = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in h.items()}
+        t = g.get("temperature") or ""  # absent in sessions minted before the field existed
         return Session(token=token, job_id=g["job_id"], execution_id=g["execution_id"], agent_id=g["agent_id"],
-                       role=g["role"], attempt=int(g["attempt"]))
+                       role=g["role"], attempt=int(g["attempt"]), temperature=float(t) if t else None)
 
     def ended_reason(self, session: Session) -> str:
         """Why calls through ``session`` are refused now ("" while its execution is leased at its attempt)."""

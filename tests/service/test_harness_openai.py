@@ -154,3 +154,40 @@ def test_an_unmodified_client_with_only_a_session_base_url_is_recorded_under_its
     assert ended.value.status_code == 410
     recs = [r for r in gw.records if r.execution_id == lease.execution_id]
     assert [(r.agent_id, r.attempt) for r in recs] == [("main", 1), ("sub-1", 1), ("main", 2)]  # none after the end
+
+
+def test_a_session_samples_at_its_execution_s_temperature_when_the_call_sends_none(stack: dict) -> None:
+    """A CLI such as Claude Code sends no temperature: through a session URL its calls sample at the
+    execution's (the job's algorithm.temperature; 0 for a greedy evaluation), not the endpoint's 1;
+    the reply says what it sampled at."""
+    import dataclasses
+
+    import openai
+
+    from services.scheduler.jobs import Algorithm, JobSpec, lease_temperature
+
+    sched = stack["scheduler"]
+    spec = job_spec("tj", num_steps=1, groups_per_step=1, group_size=1, mode=Mode.COLOCATE,
+                    algorithm=Algorithm(temperature=0.7))
+    sched.client.submit_job(spec)
+    assert Orchestrator(sched.state, _NoActuator(), instance_id="t", metrics_event_interval_s=3600).tick()
+    lease = sched.client.lease("temperature-harness", job_id="tj")
+    assert lease is not None
+    token = lease.session_base_url.split("/s/", 1)[1].removesuffix("/v1")
+    assert Sessions(sched.state.r, sched.state.keys.namespace).resolve(token).temperature == 0.7  # type: ignore[union-attr]
+    client = openai.OpenAI(base_url=lease.session_base_url, api_key="unused", max_retries=0)
+    chat = [{"role": "user", "content": "step add 1"}]
+    sent_none = client.chat.completions.create(model="gyre", messages=chat, max_tokens=3)  # type: ignore[arg-type]
+    assert sent_none.model_extra["gyre"]["temperature"] == 0.7  # type: ignore[index]
+    sent = client.chat.completions.create(model="gyre", messages=chat, max_tokens=3, temperature=0.2)  # type: ignore[arg-type]
+    assert sent.model_extra["gyre"]["temperature"] == 0.2  # type: ignore[index]  # what the call sends wins
+    # without a session (a plain route), a call that sends none samples at 1, as before
+    plain = openai.OpenAI(base_url=stack["http"].base_url, api_key="unused", max_retries=0)
+    assert plain.chat.completions.create(model="gyre", messages=chat, max_tokens=3).model_extra[  # type: ignore[arg-type]
+        "gyre"]["temperature"] == 1.0  # type: ignore[index]
+    sched.client.complete(lease.execution_id, lease.lease_token, ExecState.FINISHED)
+    # evaluations are greedy whatever the job's temperature (unless the job turns that off)
+    hot: JobSpec = dataclasses.replace(spec, algorithm=Algorithm(temperature=0.7))
+    assert lease_temperature(True, hot) == 0.0 and lease_temperature(False, hot) == 0.7
+    assert lease_temperature(True, dataclasses.replace(hot, evaluation=dataclasses.replace(
+        hot.evaluation, greedy=False))) == 0.7
