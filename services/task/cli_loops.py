@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from services.common.bwrap import command_sandbox_args
 from services.common.logging import get_logger
 
-__all__ = ["CLI_LOOPS", "PORT", "run_cli", "sandbox_argv", "claude_code_argv", "codex_argv"]
+__all__ = ["CLI_LOOPS", "PORT", "run_cli", "wait_for_cli", "sandbox_argv", "claude_code_argv", "codex_argv"]
 
 log = get_logger(__name__)
 
@@ -130,6 +130,23 @@ def _interpreter() -> str:
     return sys.executable
 
 
+def wait_for_cli(proc: subprocess.Popen, tools: Any, timeout_s: float, name: str) -> None:
+    """Wait for an agent CLI's process (this one's, mini-swe-agent's); raises ExecutionCancelled
+    when the execution is cancelled, TimeoutError past ``timeout_s``. The caller kills what is left."""
+    from services.task.agent import ExecutionCancelled
+
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if tools.cancelled is not None and tools.cancelled.is_set():
+            raise ExecutionCancelled()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} ran past the execution's deadline ({timeout_s:.0f} s)")
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def run_cli(loop: str, tools: Any, base_url: str, *, max_turns: int, timeout_s: float,
             served: Callable[[str, float], str]) -> str:
     """One execution through ``loop`` (``claude-code`` or ``codex``) on ``tools`` (the execution's
@@ -187,17 +204,8 @@ def run_cli(loop: str, tools: Any, base_url: str, *, max_turns: int, timeout_s: 
     # tied: the sandbox dies with this thread's process, even by SIGKILL
     proc = subprocess.Popen(tied(argv), cwd=work, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                             stdin=subprocess.DEVNULL, stdout=out_file, stderr=err_file, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
     try:
-        while proc.poll() is None:
-            if tools.cancelled is not None and tools.cancelled.is_set():
-                raise ExecutionCancelled()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{loop} ran past the execution's deadline ({timeout_s:.0f} s)")
-            try:
-                proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+        wait_for_cli(proc, tools, timeout_s, loop)
         stdout = (root / "stdout").read_text(errors="replace")
         if bridge.connections == 0:
             stderr = (root / "stderr").read_text(errors="replace")

@@ -187,6 +187,7 @@ def _mini_swe_agent(tools: Tools, base_url: str, *, temperature: float, max_turn
 
     from services.common.children import scratch_dir, tied
     from services.task.agent import ExecutionCancelled
+    from services.task.cli_loops import wait_for_cli
     from services.task.clis import MINI_SWE_AGENT, pip_cli
     from services.task.tool_shell import SHELL_INSTRUCTIONS, TaskSocket, answer, install_client, shell_task_message
 
@@ -230,17 +231,8 @@ def _mini_swe_agent(tools: Tools, base_url: str, *, temperature: float, max_turn
     # tied: the CLI dies with this thread's process, even by SIGKILL (its sandboxes die with it)
     proc = subprocess.Popen(tied(argv), cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                             start_new_session=True)
-    deadline = time.monotonic() + timeout_s
     try:
-        while proc.poll() is None:
-            if tools.cancelled is not None and tools.cancelled.is_set():
-                raise ExecutionCancelled()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"mini-swe-agent ran past the execution's deadline ({timeout_s:.0f} s)")
-            try:
-                proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+        wait_for_cli(proc, tools, timeout_s, "mini-swe-agent")
         stderr = (root / "mini.log").read_text(errors="replace")
         try:
             status = json.loads(trajectory.read_text())["info"]["exit_status"]
