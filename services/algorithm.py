@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     import torch
 
 LOSS_AGGREGATIONS = ("execution_mean",)
+KL_REFERENCES = ("behaviour", "initial")
 DEFAULT_ADVANTAGE_EPS = 1e-6
 
 
@@ -90,7 +91,11 @@ class Algorithm:
     clip_high: float = 0.28
     """Upper clip range of the policy ratio (1 + clip_high, "clip-higher")."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL term against the behaviour policy's log-probs."""
+    """Weight of the k3 KL term against ``kl_reference``'s log-probs (0: no KL term)."""
+    kl_reference: str = "behaviour"
+    """What the KL term anchors to: ``"behaviour"`` (the log-probs the rollout engine sampled with) or
+    ``"initial"`` (the job's starting weights, kept frozen beside the policy: an anchor that holds even
+    on-policy, where the behaviour KL is ~0)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     tis_cap: float = 0.0
@@ -124,6 +129,9 @@ class Algorithm:
             raise ValueError(f"algorithm.tis_cap is {self.tis_cap}; expected 0 (off) or a finite number >= 1")
         if self.dual_clip != 0.0 and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):
             raise ValueError(f"algorithm.dual_clip is {self.dual_clip}; expected 0 (off) or a finite number > 1")
+        if self.kl_reference not in KL_REFERENCES:
+            raise ValueError(f"algorithm.kl_reference is {self.kl_reference!r}; expected one of "
+                             f"{', '.join(KL_REFERENCES)}")
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"algorithm.loss_aggregation is {self.loss_aggregation!r}; expected one of "
                              f"{', '.join(LOSS_AGGREGATIONS)}")

@@ -36,6 +36,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from services.algorithm import Algorithm
 from services.common.errors import FailedPrecondition, GyreError, InvalidArgument, NotFound, PermissionDenied
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
@@ -76,6 +77,21 @@ def scorer_spec(name: str) -> Any:
 
     kind, _, target = name.partition(":")
     return ScorerSpec(kind=kind, target=target)  # type: ignore[arg-type]
+
+
+def trainer_objective(a: Algorithm) -> Any:
+    """The trainer's ``ObjectiveParams`` for a job's ``[job.algorithm]`` (services/algorithm.py)."""
+    from protos.gyre.v1 import trainer_pb2
+
+    o = a.objective()
+    objective = trainer_pb2.ObjectiveParams(eps_low=o.eps_low, eps_high=o.eps_high, kl_coef=o.kl_coef,
+                                            entropy_coef=o.entropy_coef, temperature=a.temperature,
+                                            kl_reference=a.kl_reference)
+    if o.tis_cap is not None:
+        objective.tis_cap = o.tis_cap
+    if o.dual_clip is not None:
+        objective.dual_clip = o.dual_clip
+    return objective
 
 
 class JobController:
@@ -267,13 +283,7 @@ class JobController:
         from protos.gyre.v1 import trainer_pb2
 
         spec, a = job.spec, job.spec.algorithm
-        o = a.objective()  # the loss the job's [job.algorithm] means (services/algorithm.py)
-        objective = trainer_pb2.ObjectiveParams(eps_low=o.eps_low, eps_high=o.eps_high, kl_coef=o.kl_coef,
-                                                entropy_coef=o.entropy_coef, temperature=a.temperature)
-        if o.tis_cap is not None:
-            objective.tis_cap = o.tis_cap
-        if o.dual_clip is not None:
-            objective.dual_clip = o.dual_clip
+        objective = trainer_objective(a)
         optim = trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay,
                                         max_grad_norm=a.max_grad_norm)
         return trainer_pb2.TrainerJobSpec(

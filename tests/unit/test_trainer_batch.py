@@ -146,3 +146,36 @@ def test_learner_trains_a_long_batch_in_chunks_to_the_same_sums(batch: PackedBat
             assert s1[k] == pytest.approx(s0[k], rel=1e-4, abs=1e-7), k
         for name in g0:
             torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_kl_anchored_to_the_initial_weights_holds_on_policy(batch: PackedBatch) -> None:
+    """kl_reference="initial": a frozen copy of the starting weights is the KL's reference, so the term
+    is 0 until the policy moves and pulls it back after (the behaviour reference is ~0 on-policy)."""
+    batch = _with(batch, advantages=np.zeros_like(batch.advantages))  # the KL term's gradient alone
+    objective = dataclasses.replace(TrainerJob(job_id="j", source="synthetic").objective, kl_coef=0.5)
+    job = TrainerJob(job_id="j", model="tiny", source="synthetic", objective=objective, kl_reference="initial")
+    learner = build_learner(job, "cpu")
+    assert learner.ref_policy is not None
+    assert build_learner(dataclasses.replace(job, kl_reference="behaviour"), "cpu").ref_policy is None
+    learner.begin_step(3, 0)
+    assert learner.train(batch)
+    assert learner.stats.sums["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is still the initial weights
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in learner.params:
+            p.add_(0.05 * torch.randn_like(p))  # as an update would
+    learner.begin_step(3, 0)
+    assert learner.train(batch)
+    assert learner.stats.sums["kl"] > 1e-3
+    moved = dict(learner.model.named_parameters())
+    frozen = dict(learner.ref_policy.model.named_parameters())
+    assert not any(p.requires_grad for p in frozen.values())
+    assert any(not torch.equal(moved[n], frozen[n]) for n in moved)
+    # its gradient points back to the reference: a small step along -grad lowers the KL
+    with torch.no_grad():
+        for p in learner.params:
+            p.sub_(1e-2 * p.grad / (p.grad.norm() + 1e-12))  # type: ignore[operator, union-attr]
+    before = learner.stats.sums["kl"]
+    learner.begin_step(3, 0)
+    assert learner.train(batch)
+    assert learner.stats.sums["kl"] < before
