@@ -357,6 +357,11 @@ def _recv_msg(sock: socket.socket, magic: bytes = b"") -> dict[str, Any]:
     return json.loads(_recv_exact(sock, n))
 
 
+def _recv_arrays(sock: socket.socket, arrays: list[np.ndarray]) -> None:
+    for a in arrays:
+        _recv_into(sock, _byte_view(a))
+
+
 def _byte_view(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
 
@@ -585,8 +590,7 @@ class Receiver:
                 if posted is not None:
                     watch(posted.future, conn, STALL_TIMEOUT_S)
                 else:
-                    for a in arrays:
-                        _recv_into(conn, _byte_view(a))
+                    _recv_arrays(conn, arrays)
             except Exception as exc:  # transfer broke: the sender sees the closed socket and retries
                 ABORTED.labels("receiver", "peer_gone" if isinstance(exc, PeerGone) else
                                "timeout" if isinstance(exc, TimeoutError) else "failed").inc()
@@ -601,6 +605,11 @@ class Receiver:
                 reply: dict[str, Any] = {"ok": True, "bytes": nbytes}
             except Exception as exc:  # deliberate: report the refusal to the sender
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            # This thread lets go of the state before the sender hears the ack: what on_state kept is
+            # all that holds its receive block, so a sender that starts the next transfer at once (a
+            # drain moving several requests) lands it in these mapped pages, not in fresh ones that
+            # fault in per 4 KiB (which halves UCX's bandwidth).
+            state = posted = arrays = None  # type: ignore[assignment]
             try:
                 _send_msg(conn, reply)
             except OSError as exc:

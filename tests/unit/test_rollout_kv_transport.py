@@ -303,3 +303,22 @@ def test_fuzzed_bytes_on_the_receiver_port_are_refused_and_it_keeps_serving() ->
         assert len(got) == 1
     finally:
         kv_transport.close_receiver(address)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ucx"])
+def test_back_to_back_transfers_land_in_the_receive_pool(kind: str) -> None:
+    """The receiver lets go of a state before the sender hears its ack, so the next transfer, sent
+    the moment the last one was acknowledged (a drain migrating request after request), reuses the
+    pool's mapped block instead of faulting in fresh memory."""
+    kept: list[int] = []
+    pool_bytes = (64 << 20) + 4096 * (kind == "ucx") + 4096  # a pool of its own (pools are shared by size)
+    address = kv_transport.make_receiver(kind, lambda s: kept.append(s.nbytes()), pool_bytes=pool_bytes)
+    pool = kv_transport.shared_pool(pool_bytes)
+    state = _state(layers=4, tokens=4096)
+    try:
+        for _ in range(4):
+            assert kv_transport.send_state_ex(kind, address, state).transport == kind
+        assert len(kept) == 4
+        assert (pool.fresh, pool.reused) == (1, 3)
+    finally:
+        kv_transport.close_receiver(address)
