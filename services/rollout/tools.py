@@ -166,8 +166,21 @@ class HermesFormat:
         if start < 0:
             return text, []
         calls = []
-        for m in self._CALL.finditer(text, start):
-            call = _call_from_json(m.group(1), ("arguments", "parameters"))
+        at = start
+        while (i := text.find(self.OPEN, at)) >= 0:
+            # A whole JSON object first: the closing tag written inside one of its strings (a file's
+            # text, say) is text, not the call's end. Only an unfinished or malformed object is cut
+            # at the first closing tag (or the end), as max_tokens left it.
+            body = len(text) - len(text[i + len(self.OPEN):].lstrip())
+            try:
+                obj, end = _JSON.raw_decode(text, body)
+            except json.JSONDecodeError:
+                m = self._CALL.match(text, i)
+                call, at = (_call_from_json(m.group(1), ("arguments", "parameters")), m.end()) if m else (None, 0)
+            else:
+                call = _call_from_obj(obj, ("arguments", "parameters"))
+                after = len(text) - len(text[end:].lstrip())
+                at = after + len(self.CLOSE) if text.startswith(self.CLOSE, after) else end
             if call is None:
                 return text, []  # not a well-formed call: the reply is text
             calls.append(call)
@@ -241,6 +254,9 @@ def template_renders_tools(template: str) -> bool:
     return "tools" in template
 
 
+_JSON = json.JSONDecoder()
+
+
 def _call_from_json(text: str, arg_keys: tuple[str, ...]) -> ToolCall | None:
     """A call from its JSON text; a truncated object (max_tokens) keeps its arguments as text."""
     try:
@@ -249,6 +265,10 @@ def _call_from_json(text: str, arg_keys: tuple[str, ...]) -> ToolCall | None:
         m = re.match(r'\s*\{\s*"name"\s*:\s*"([^"]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*?)\s*\}?\s*$',
                      text, re.DOTALL)
         return ToolCall(m.group(1), m.group(2)) if m else None
+    return _call_from_obj(obj, arg_keys)
+
+
+def _call_from_obj(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args: Any = next((obj[k] for k in arg_keys if k in obj), {})

@@ -3,11 +3,13 @@ messages a template renders (raw replies back, tool results matched to calls, th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.errors import InvalidArgument
 from services.rollout.tools import (
-    HermesFormat, Llama3JsonFormat, RawReplies, ToolChoice, format_for, parse_tool_choice, parse_tools,
+    HermesFormat, Llama3JsonFormat, RawReplies, ToolCall, ToolChoice, format_for, parse_tool_choice, parse_tools,
     prepare_messages,
 )
 
@@ -47,6 +49,15 @@ def test_hermes_calls_parse_with_content_several_calls_and_truncation() -> None:
     # cut by max_tokens inside the arguments: the call keeps them as generated (OpenAI: may be invalid JSON)
     _, calls = f.parse('<tool_call>\n{"name": "run_tests", "arguments": {"module": "m')
     assert [(c.name, c.arguments) for c in calls] == [("run_tests", '{"module": "m')]
+    # the closing tag inside an argument's string is text (a model sampling code that writes the tag):
+    # the call ends where its JSON object does, not at the first tag
+    code = 'print("</tool_call>")\n<tool_call>'
+    text = f.render_call(ToolCall("write_line", json.dumps({"module": "m2", "code": code})))
+    _, calls = f.parse(text + "\n" + f.render_call(ToolCall("run_tests", '{"module": "m2"}')))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("write_line", {"module": "m2", "code": code}),
+                                                                  ("run_tests", {"module": "m2"})]
+    _, calls = f.parse('<tool_call>{"name": "write_line", "arguments": {"module": "m2", "code": "</tool_call> x')
+    assert [(c.name, c.arguments) for c in calls] == [("write_line", '{"module": "m2", "code": "')]  # unfinished
     assert f.holdback("abc <tool") == 4 and f.holdback("abc <tool_call> {") == 4 and f.holdback("abc") == 3
     assert f.forced_prefix(ToolChoice("named", "run_tests")) == '<tool_call>\n{"name": "run_tests", "arguments": '
     assert f.forced_prefix(ToolChoice("auto")) == ""
