@@ -171,15 +171,15 @@ class HermesFormat:
             # A whole JSON object first: the closing tag written inside one of its strings (a file's
             # text, say) is text, not the call's end. Only an unfinished or malformed object is cut
             # at the first closing tag (or the end), as max_tokens left it.
-            body = len(text) - len(text[i + len(self.OPEN):].lstrip())
             try:
-                obj, end = _JSON.raw_decode(text, body)
+                obj, end = _JSON.raw_decode(text, _skip_space(text, i + len(self.OPEN)))
             except json.JSONDecodeError:
-                m = self._CALL.match(text, i)
-                call, at = (_call_from_json(m.group(1), ("arguments", "parameters")), m.end()) if m else (None, 0)
+                m = self._CALL.match(text, i)  # always matches: up to the closing tag or the end
+                assert m is not None
+                call, at = _call_from_json(m.group(1), ("arguments", "parameters")), m.end()
             else:
                 call = _call_from_obj(obj, ("arguments", "parameters"))
-                after = len(text) - len(text[end:].lstrip())
+                after = _skip_space(text, end)
                 at = after + len(self.CLOSE) if text.startswith(self.CLOSE, after) else end
             if call is None:
                 return text, []  # not a well-formed call: the reply is text
@@ -255,6 +255,11 @@ def template_renders_tools(template: str) -> bool:
 
 
 _JSON = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
+def _skip_space(text: str, at: int) -> int:
+    return _SPACE.match(text, at).end()  # type: ignore[union-attr]  # \s* matches everywhere
 
 
 def _call_from_json(text: str, arg_keys: tuple[str, ...]) -> ToolCall | None:

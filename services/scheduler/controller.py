@@ -81,17 +81,9 @@ def scorer_spec(name: str) -> Any:
 
 def trainer_objective(a: Algorithm) -> Any:
     """The trainer's ``ObjectiveParams`` for a job's ``[job.algorithm]`` (services/algorithm.py)."""
-    from protos.gyre.v1 import trainer_pb2
+    from services.trainer.wire import objective_params
 
-    o = a.objective()
-    objective = trainer_pb2.ObjectiveParams(eps_low=o.eps_low, eps_high=o.eps_high, kl_coef=o.kl_coef,
-                                            entropy_coef=o.entropy_coef, temperature=a.temperature,
-                                            kl_reference=a.kl_reference)
-    if o.tis_cap is not None:
-        objective.tis_cap = o.tis_cap
-    if o.dual_clip is not None:
-        objective.dual_clip = o.dual_clip
-    return objective
+    return objective_params(a.objective(), temperature=a.temperature, kl_reference=a.kl_reference)
 
 
 class JobController:

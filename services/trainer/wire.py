@@ -16,6 +16,8 @@ from services.trainer.job import TrainerJob
 if TYPE_CHECKING:
     import torch
 
+    from services.algorithm import ObjectiveConfig
+
 
 def _opt(msg: Any, name: str) -> Any:
     return getattr(msg, name) if msg.HasField(name) else None
@@ -86,15 +88,22 @@ def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
     return TrainerJob(objective=ObjectiveConfig(**obj), optim=OptimConfig(**opt), **job)
 
 
-def job_to_proto(job: TrainerJob) -> trainer_pb2.TrainerJobSpec:
-    o, p = job.objective, job.optim
+def objective_params(o: ObjectiveConfig, *, temperature: float, kl_reference: str) -> trainer_pb2.ObjectiveParams:
+    """The wire form of a loss (``job_from_proto`` reads it back): the trainer's own job spec and the
+    scheduler's mapping of a job's ``[job.algorithm]`` both send it."""
     objective = trainer_pb2.ObjectiveParams(eps_low=o.eps_low, eps_high=o.eps_high, kl_coef=o.kl_coef,
-                                            entropy_coef=o.entropy_coef, kl_reference=job.kl_reference,
-                                            temperature=job.temperature)
+                                            entropy_coef=o.entropy_coef, kl_reference=kl_reference,
+                                            temperature=temperature)
     if o.tis_cap is not None:
         objective.tis_cap = o.tis_cap
     if o.dual_clip is not None:
         objective.dual_clip = o.dual_clip
+    return objective
+
+
+def job_to_proto(job: TrainerJob) -> trainer_pb2.TrainerJobSpec:
+    o, p = job.objective, job.optim
+    objective = objective_params(o, temperature=job.temperature, kl_reference=job.kl_reference)
     optim = trainer_pb2.OptimParams(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], weight_decay=p.weight_decay,
                                     max_grad_norm=p.max_grad_norm)
     return trainer_pb2.TrainerJobSpec(
