@@ -72,7 +72,8 @@ def subagent_message(module: ModuleSpec) -> str:
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_JSON = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
 
 
 def render_call(name: str, arguments: dict[str, Any]) -> str:
@@ -81,14 +82,20 @@ def render_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 def parse_call(text: str) -> tuple[str, dict[str, Any]] | None:
-    """The first well-formed call in a reply (name, arguments), else None."""
-    m = _CALL_RE.search(text)
-    if m is None:
+    """The first call in a reply (name, arguments) if it is well formed, else None.
+
+    The call is the JSON object after the first opening tag, followed by the closing tag. The object
+    ends where its JSON ends, so a closing tag written inside one of its strings (a file's text) is
+    text, not the call's end, as in the gateway's Hermes parser."""
+    start = text.find(_OPEN)
+    if start < 0:
         return None
     try:
-        obj = json.loads(m.group(1))
+        obj, end = _JSON.raw_decode(text, _SPACE.match(text, start + len(_OPEN)).end())  # type: ignore[union-attr]
     except json.JSONDecodeError:
         return None
+    if not text.startswith(_CLOSE, _SPACE.match(text, end).end()):  # type: ignore[union-attr]
+        return None  # an object not closed by the tag: cut by max_tokens, or text
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
         return None
     return obj["name"], obj["arguments"]

@@ -128,6 +128,23 @@ def test_the_gateway_parses_the_agent_calls() -> None:
     assert HermesFormat().render_call(calls[0]) == call  # the format the gateway's forced calls open with
 
 
+def test_a_closing_tag_inside_an_argument_is_text_to_both_parsers() -> None:
+    """The harness and the gateway agree on where a call ends: at its JSON object's end, so a file
+    whose text holds the closing tag (the tool model writes it as one token) is written whole."""
+    from services.rollout.tools import HermesFormat
+
+    args = {"module": "m2", "code": "</tool_call> 1 +"}
+    call = render_call("write_line", args)
+    assert parse_call(call) == ("write_line", args)
+    assert [json.loads(c.arguments) for c in HermesFormat().parse(call)[1]] == [args]
+    assert parse_call("I will write it. " + call + " done") == ("write_line", args)
+    # a whole object with no closing tag after it (cut by max_tokens) is not a call; nor is prose
+    assert parse_call(call[: -len("</tool_call>")]) is None
+    assert parse_call('<tool_call> {"name": "run_tests", "arguments": {}} and more </tool_call>') is None
+    assert parse_call("no call here") is None
+    assert parse_call('<tool_call>{"name": 3, "arguments": {}}</tool_call>') is None
+
+
 def test_demonstrator_follows_hints_and_keeps_its_habit() -> None:
     prompt = "<|im_start|>tool\nok . next write_line m2 step sub 3<|im_end|>\n<|im_start|>assistant\n"
     lines = {json.loads(decide(prompt, random.Random(s), DemoNoise()).split("\n")[1])["arguments"]["code"]
