@@ -58,8 +58,15 @@ numerics) and the trainer:
   With one optimizer update per step the clip is inert in this mode (r == 1); the cap bounds the
   variance instead. ``proximal_logprobs`` may be given for multi-update variants.
 
-Optional terms: ``kl_coef`` * k3(ref || pi) with ref = ``ref_logprobs`` (a reference model) or
-the behaviour log-probs, and ``-entropy_coef * H``. All metrics are returned as weighted *sums*
+Optional terms: ``kl_coef`` * KL(pi || ref) with ref = ``ref_logprobs`` (a reference model) or
+the behaviour log-probs, and ``-entropy_coef * H``. The KL is estimated per sampled token from
+d = ref - logp by ``kl_estimator`` (Schulman's k1/k2/k3 naming):
+
+    k3          exp(d) - d - 1       unbiased; its gradient 1 - exp(d) grows exponentially in d,
+                                     so one token pushed down by many nats can dominate a step
+    k2          d^2 / 2              biased; gradient -d, linear in the gap
+    low_var_kl  min(k3, 10)          k3 clamped as verl's ``low_var_kl``: a token past the clamp
+                                     gets no KL gradient at all All metrics are returned as weighted *sums*
 (sum_i w_i * x_i) so they add over micro-batches and replicas exactly like the loss does; ratio
 min/max are returned separately (reduce with max/min).
 """
@@ -76,6 +83,8 @@ if TYPE_CHECKING:
 
 LOSS_AGGREGATIONS = ("execution_mean",)
 KL_REFERENCES = ("behaviour", "initial")
+KL_ESTIMATORS = ("k3", "k2", "low_var_kl")
+LOW_VAR_KL_CLAMP = 10.0
 DEFAULT_ADVANTAGE_EPS = 1e-6
 
 
@@ -96,6 +105,9 @@ class Algorithm:
     """What the KL term anchors to: ``"behaviour"`` (the log-probs the rollout engine sampled with) or
     ``"initial"`` (the job's starting weights, kept frozen beside the policy: an anchor that holds even
     on-policy, where the behaviour KL is ~0)."""
+    kl_estimator: str = "k3"
+    """How the KL term is estimated per token: ``"k3"`` (unbiased, exponential gradient), ``"k2"``
+    (squared log-ratio / 2, linear gradient) or ``"low_var_kl"`` (k3 clamped at 10)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     tis_cap: float = 0.0
@@ -132,6 +144,9 @@ class Algorithm:
         if self.kl_reference not in KL_REFERENCES:
             raise ValueError(f"algorithm.kl_reference is {self.kl_reference!r}; expected one of "
                              f"{', '.join(KL_REFERENCES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"algorithm.kl_estimator is {self.kl_estimator!r}; expected one of "
+                             f"{', '.join(KL_ESTIMATORS)}")
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"algorithm.loss_aggregation is {self.loss_aggregation!r}; expected one of "
                              f"{', '.join(LOSS_AGGREGATIONS)}")
@@ -144,7 +159,7 @@ class Algorithm:
         """The trainer's loss hyper-parameters of this algorithm."""
         return ObjectiveConfig(eps_low=self.clip_low, eps_high=self.clip_high, kl_coef=self.kl_coef,
                                entropy_coef=self.entropy_coef, tis_cap=self.tis_cap or None,
-                               dual_clip=self.dual_clip or None)
+                               dual_clip=self.dual_clip or None, kl_estimator=self.kl_estimator)
 
 
 
@@ -222,7 +237,9 @@ class ObjectiveConfig:
     dual_clip: float | None = None
     """Dual-clip bound c > 1 on a negative-advantage token's loss (-c * A at most); None = off."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL estimate against the reference (or behaviour) log-probs."""
+    """Weight of the KL estimate against the reference (or behaviour) log-probs."""
+    kl_estimator: str = "k3"
+    """The per-token KL estimator: one of ``KL_ESTIMATORS`` (module doc)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); needs per-token entropy."""
 
@@ -237,6 +254,8 @@ class ObjectiveConfig:
             raise ValueError(f"dual_clip must be a finite number > 1 (or None), got {self.dual_clip}")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
             raise ValueError(f"entropy_coef must be a finite number >= 0, got {self.entropy_coef}")
 
@@ -271,6 +290,17 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
     d = ref_logprobs - logprobs
     return d.exp() - d - 1.0
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) by ``estimator`` (one of ``KL_ESTIMATORS``; module doc)."""
+    if estimator == "k3":
+        return k3_kl(logprobs, ref_logprobs)
+    if estimator == "k2":
+        return 0.5 * (ref_logprobs - logprobs).square()
+    if estimator == "low_var_kl":
+        return k3_kl(logprobs, ref_logprobs).clamp(max=LOW_VAR_KL_CLAMP)
+    raise ValueError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
 def policy_loss(
@@ -335,10 +365,11 @@ def policy_loss(
     clip_high = (active & (ratio > 1.0 + config.eps_high)).float()
 
     kl_ref = old if ref_logprobs is None else ref_logprobs.float()
-    kl = k3_kl(logp, kl_ref)
+    kl = k3_kl(logp, kl_ref)  # the metric: unbiased whatever the loss uses
     per_token = pg
     if config.kl_coef > 0:
-        per_token = per_token + config.kl_coef * kl
+        per_token = per_token + config.kl_coef * (kl if config.kl_estimator == "k3"
+                                                  else kl_estimate(logp, kl_ref, config.kl_estimator))
     ent = entropy.float() if entropy is not None else torch.zeros_like(logp)
     if config.entropy_coef > 0:
         per_token = per_token - config.entropy_coef * ent

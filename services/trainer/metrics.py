@@ -22,7 +22,7 @@ STEP_GAUGES: dict[str, Gauge] = {
         ("grad_norm", "Global gradient norm of the last step, before clipping."),
         ("entropy", "Mean token entropy of the last step."),
         ("clip_frac", "Fraction (weighted) of target tokens whose ratio was clipped, last step."),
-        ("kl", "k3 KL against the reference (or behaviour) policy, last step."),
+        ("kl", "k3 KL against the reference (or behaviour) policy, last step (whatever kl_estimator the loss uses)."),
         ("mismatch_kl", "k3 KL between trainer and behaviour policy (engine mismatch + staleness)."),
         ("mismatch_kl_fresh", "k3 KL between trainer and engine on targets sampled by the weights trained: the "
                               "engine's own numerical mismatch, last step."),

@@ -54,6 +54,8 @@ def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
     o = spec.objective
     obj: dict[str, Any] = {k: v for k in ("eps_low", "eps_high", "tis_cap", "kl_coef", "entropy_coef", "dual_clip")
                            if (v := _opt(o, k)) is not None}
+    if o.kl_estimator:
+        obj["kl_estimator"] = o.kl_estimator
     p = spec.optim
     opt: dict[str, Any] = {k: v for k in ("lr", "weight_decay", "max_grad_norm") if (v := _opt(p, k)) is not None}
     if p.HasField("beta1") or p.HasField("beta2"):
@@ -93,7 +95,7 @@ def objective_params(o: ObjectiveConfig, *, temperature: float, kl_reference: st
     scheduler's mapping of a job's ``[job.algorithm]`` both send it."""
     objective = trainer_pb2.ObjectiveParams(eps_low=o.eps_low, eps_high=o.eps_high, kl_coef=o.kl_coef,
                                             entropy_coef=o.entropy_coef, kl_reference=kl_reference,
-                                            temperature=temperature)
+                                            temperature=temperature, kl_estimator=o.kl_estimator)
     if o.tis_cap is not None:
         objective.tis_cap = o.tis_cap
     if o.dual_clip is not None:

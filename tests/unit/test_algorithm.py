@@ -15,13 +15,15 @@ from services.scheduler.jobs import JobSpec
 
 def test_the_job_section_validates_and_maps_to_the_trainers_loss() -> None:
     a = Algorithm(clip_low=0.1, clip_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0,
-                  normalize_advantages=True, advantage_eps=1e-4, dual_clip=0.0, kl_reference="initial")
-    assert a.objective() == ObjectiveConfig(eps_low=0.1, eps_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0)
+                  normalize_advantages=True, advantage_eps=1e-4, dual_clip=0.0, kl_reference="initial",
+                  kl_estimator="k2")
+    assert a.objective() == ObjectiveConfig(eps_low=0.1, eps_high=0.3, kl_coef=0.01, entropy_coef=0.02, tis_cap=2.0,
+                                            kl_estimator="k2")
     assert Algorithm().objective().tis_cap is None  # 0 = off
     assert Algorithm().objective().dual_clip == 3.0  # on by default (verl's clip_ratio_c)
     for bad, why in [({"advantage_eps": 0.0}, "advantage_eps"), ({"loss_aggregation": "sum"}, "loss_aggregation"),
                      ({"clip_low": 1.0}, "clip_low"), ({"dual_clip": 1.0}, "dual_clip"),
-                     ({"kl_reference": "reference"}, "kl_reference")]:
+                     ({"kl_reference": "reference"}, "kl_reference"), ({"kl_estimator": "k4"}, "kl_estimator")]:
         with pytest.raises(ValueError, match=why):
             Algorithm(**bad)  # type: ignore[arg-type]
     # through the job API's proto: the new fields round-trip, an unset eps reads as the default
@@ -38,6 +40,8 @@ def test_the_job_section_validates_and_maps_to_the_trainers_loss() -> None:
     assert algorithm_from_proto(msg).dual_clip == Algorithm().dual_clip == 3.0
     msg.kl_reference = ""  # unset: the behaviour policy
     assert algorithm_from_proto(msg).kl_reference == "behaviour"
+    msg.kl_estimator = ""  # unset: k3
+    assert algorithm_from_proto(msg).kl_estimator == "k3"
 
 
 def test_the_trainer_gets_the_jobs_kl_anchor() -> None:
@@ -47,7 +51,7 @@ def test_the_trainer_gets_the_jobs_kl_anchor() -> None:
 
     from protos.gyre.v1 import trainer_pb2
 
-    for a in (Algorithm(kl_coef=0.05, kl_reference="initial"), Algorithm(kl_coef=0.05)):
+    for a in (Algorithm(kl_coef=0.05, kl_reference="initial", kl_estimator="low_var_kl"), Algorithm(kl_coef=0.05)):
         msg = trainer_pb2.TrainerJobSpec(job_id="j", model="tiny", source="synthetic", objective=trainer_objective(a))
         job = job_from_proto(msg)
         assert (job.kl_reference, job.objective.kl_coef) == (a.kl_reference, 0.05)

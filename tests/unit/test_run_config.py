@@ -31,10 +31,10 @@ def test_task_arith_reads_its_own_files_and_flags_still_win() -> None:
 
 def test_nested_job_flags() -> None:
     spec = load_job(DEFAULT_JOB_FILE, ["--algorithm.kl-coef", "0.01", "--algorithm.kl-reference", "initial",
-                                       "--evaluation.every", "3", "--tasks.params.num_modules", "3",
+                                       "--algorithm.kl-estimator", "k2", "--evaluation.every", "3", "--tasks.params.num_modules", "3",
                                        "--mode", "colocate", "--staleness-bound", "0"])
     assert spec.algorithm.kl_coef == 0.01 and spec.evaluation.every == 3 and spec.mode is Mode.COLOCATE
-    assert spec.algorithm.kl_reference == "initial"
+    assert (spec.algorithm.kl_reference, spec.algorithm.kl_estimator) == ("initial", "k2")
     assert dict(spec.tasks.params)["num_modules"] == "3"
 
 

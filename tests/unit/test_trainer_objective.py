@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.algorithm import ObjectiveConfig, k3_kl, policy_loss
+from services.algorithm import ObjectiveConfig, k3_kl, kl_estimate, policy_loss
 
 # Four targets: trainer probs p, behaviour probs q -> ratios 1.25, 1.0, 0.5, 2.0.
 P = [0.5, 0.3, 0.2, 0.4]
@@ -127,6 +127,27 @@ def test_kl_and_entropy_terms() -> None:
     torch.testing.assert_close(logp.grad.float(), torch.tensor([0.0, -0.025, 0.0, 0.0]), atol=1e-7, rtol=0)
     torch.testing.assert_close(ent.grad.float(), torch.full((4,), -0.0025), atol=1e-9, rtol=0)
     assert out.sums["entropy"].item() == pytest.approx(2.5)
+
+
+def test_kl_estimators_bound_the_pull_on_a_token_pushed_far_down() -> None:
+    """A token one update pushed 8 nats below the reference: k3's gradient is 1 - e^8 (~ -2980), k2's
+    is -8, and low_var_kl's is 0 (past its clamp); near the reference all three agree to first order.
+    The "kl" metric stays k3 whatever the loss uses."""
+    gap = torch.tensor([8.0, 0.01], dtype=torch.float64)  # ref - logp per token
+    w = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    expected = {"k3": [1 - math.exp(8.0), 1 - math.exp(0.01)], "k2": [-8.0, -0.01], "low_var_kl": [0.0, 1 - math.exp(0.01)]}
+    for estimator, grads in expected.items():
+        logp = torch.tensor([-9.0, -1.0], dtype=torch.float64, requires_grad=True)
+        ref = logp.detach() + gap
+        out = policy_loss(logp, ref, torch.zeros(2, dtype=torch.float64), w,
+                          config=ObjectiveConfig(kl_coef=1.0, kl_estimator=estimator), ref_logprobs=ref)
+        out.loss.backward()
+        assert logp.grad is not None
+        torch.testing.assert_close(logp.grad, torch.tensor(grads, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+        assert out.sums["kl"].item() == pytest.approx(float(k3_kl(-gap, torch.zeros(2, dtype=torch.float64)).sum()))
+    assert kl_estimate(-gap, torch.zeros(2, dtype=torch.float64), "low_var_kl")[0].item() == 10.0
+    with pytest.raises(ValueError, match="kl_estimator"):
+        ObjectiveConfig(kl_estimator="k1")
 
 
 def test_k3_is_nonnegative_and_zero_at_equality() -> None:
