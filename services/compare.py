@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from services.run import RunConfig, RunResult, interrupt_on_signals, load_run, run_job
-from services.scheduler.jobs import ID_RE, JobSpec, Mode
+from services.scheduler.jobs import ID_RE, MAX_JOB_ID, JobSpec, Mode
 
 MODES = ("colocate", "async", "elastic")
 
@@ -194,13 +194,14 @@ def _file_name(label: str) -> str:
 def _job_id(base: str, label: str, suffix: str) -> str:
     """The job id of a variant's run: ``BASE-LABEL-seedN`` in a job id's characters (a dotted field
     ``algorithm.learning_rate=1e-3`` -> ``algorithm-learning_rate-1e-3``), shortened with a digest of
-    the label when that is longer than a job id may be (64 characters)."""
+    the label when that is longer than a job's id may be (``MAX_JOB_ID``: a job id leaves room for
+    its evaluation executions' ``-eval``)."""
     allowed = set(string.ascii_letters + string.digits + "_-")
     part = "".join(c if c in allowed else "-" for c in label)
     job_id = f"{base}-{part}{suffix}"
-    if len(job_id) > 64:
+    if len(job_id) > MAX_JOB_ID:
         tail = f"-{hashlib.blake2b(label.encode(), digest_size=4).hexdigest()}{suffix}"
-        head = f"{base}-{part}"[: 64 - len(tail)]
+        head = f"{base}-{part}"[: MAX_JOB_ID - len(tail)]
         job_id = head + tail
     assert ID_RE.match(job_id), job_id
     return job_id

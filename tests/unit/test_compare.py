@@ -103,12 +103,19 @@ def test_compare_refuses_a_bad_variation(capsys) -> None:
 
 def test_a_variant_job_id_is_a_valid_job_id_for_any_field() -> None:
     from services.compare import _job_id
-    from services.scheduler.jobs import ID_RE
+    from services.scheduler.jobs import ID_RE, MAX_JOB_ID
+    from tests.service.scheduler_support import job_spec
 
-    base = "job-20261205-091524-0b2f"
+    base = "job-20261205-215048-fedb"
     assert _job_id(base, "algorithm.learning_rate=1e-3", "-seed0") == f"{base}-algorithm-learning_rate-1e-3-seed0"
     assert _job_id(base, "colocate", "") == f"{base}-colocate"
     long_a = _job_id(base, "tasks.params.a_rather_long_parameter_name=0.25", "-seed2")
     long_b = _job_id(base, "tasks.params.a_rather_long_parameter_name=0.5", "-seed2")
     assert long_a != long_b and long_a.endswith("-seed2") and long_b.endswith("-seed2")
-    assert all(ID_RE.match(j) and len(j) <= 64 for j in (long_a, long_b, _job_id("j" * 64, "x=y", "-seed10")))
+    # the id of a run that failed to start: 64 characters, past the 59 a job may have
+    low_var = _job_id(base, "algorithm.kl_estimator=low_var_kl", "-seed0")
+    ids = (long_a, long_b, low_var, _job_id("j" * 64, "x=y", "-seed10"))
+    assert all(ID_RE.match(j) and len(j) <= MAX_JOB_ID for j in ids)
+    assert low_var.startswith(f"{base}-algorithm-kl") and low_var.endswith("-seed0")
+    for j in ids:
+        assert job_spec(j).job_id == j  # the scheduler takes it
