@@ -69,7 +69,8 @@ class TrainerClient(GrpcClient):
         r = self._call(self._stub.JoinStep, trainer_pb2.JoinStepRequest(replica_id=replica_id, cell_id=cell_id))
         ticket = JoinTicket(step=r.step, weight_version=r.weight_version, store_host=r.store_host,
                             store_port=r.store_port, group_prefix=r.group_prefix,
-                            heartbeat_interval_s=r.heartbeat_interval_s)
+                            heartbeat_interval_s=r.heartbeat_interval_s, handoff_dir=r.handoff_dir,
+                            handoff_token=r.handoff_token)
         return ticket, wire.job_from_proto(r.job), r.backend
 
     def replica_alive(self, replica_id: str, *, timeout_s: float = 10.0) -> bool:
@@ -97,6 +98,26 @@ class TrainerClient(GrpcClient):
                 yield trainer_pb2.GradientChunk(replica_id=replica_id, step=step, chunk=c)
 
         return int(self._call(self._stub.HandOffGradients, chunks(), 600.0).step)
+
+    def hand_off_shared(self, replica_id: str, step: int, grads: dict[str, torch.Tensor], *, folder: str,
+                        token: str) -> int | None:
+        """Hand this replica's gradient sum over through the core's shared-memory folder (written
+        once, mapped by the core) and leave ``step``; None when this process does not share that
+        folder (the caller streams with ``hand_off_gradients``)."""
+        from services.trainer import handoff
+
+        written = handoff.write(folder, token, replica_id, grads)
+        if written is None:
+            return None
+        file, refs = written
+        req = trainer_pb2.SharedGradients(
+            replica_id=replica_id, step=step, file=file,
+            tensors=[trainer_pb2.SharedTensor(name=r.name, dtype=r.dtype, shape=list(r.shape),
+                                              offset_bytes=r.offset_bytes) for r in refs])
+        try:
+            return int(self._call(self._stub.HandOffSharedGradients, req, 600.0).step)
+        finally:
+            handoff.discard(folder, file)  # the core unlinks it when it gets the call; not when the call fails
 
     # -- orchestrator -----------------------------------------------------------------------------
     def add_replica(self, cell_id: str, *, switch_id: str = "", wait_s: float = 120.0,

@@ -34,6 +34,9 @@ class TrainerConfig(ServerConfig):
                                      "CUDA: the compiled flex kernel, dense SDPA for tiny batches), 'blocks', 'sdpa' (dense "
                                      "N x N mask) or 'flex'.")
     publish_chunk_mb: int = setting(4, "Size of one WeightChunk when streaming weights, MiB.")
+    shared_handoff: bool = setting(True, "Core: replicas on this host hand a leaving replica's gradient sum over "
+                                         "through a private folder in /dev/shm (written once, mapped by the core) "
+                                         "instead of streaming it over gRPC; replicas elsewhere stream.")
     replica: bool = setting(False, "Run as a data-parallel replica of the core at --core (no server).")
     core: str = setting("", "Replica mode: address host:port of the core trainer.")
     cell_id: str = setting("", "Replica mode: the cell this replica runs on.")

@@ -53,6 +53,8 @@ class JoinTicket:
     store_port: int
     group_prefix: str
     heartbeat_interval_s: float = 0.0  # call ReplicaAlive this often (0: the core expects none)
+    handoff_dir: str = ""  # the core's shared-memory hand-off folder and its token ("": stream)
+    handoff_token: str = ""
 
 
 @dataclass(frozen=True)

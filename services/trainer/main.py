@@ -44,9 +44,13 @@ def build_trainer(cfg: TrainerConfig) -> Built:
                        member_timeout_s=cfg.member_timeout_s, replica_silence_s=cfg.replica_silence_s,
                        collective_timeout_s=cfg.collective_timeout_s,
                        publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
+    from services.trainer.handoff import SharedHandoff
+
+    handoff = SharedHandoff.open() if cfg.shared_handoff else None
     servicer = TrainerServicer(core, default_trajectory_address=cfg.trajectory_address,
                                chunk_bytes=cfg.publish_chunk_mb << 20,
-                               activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
+                               activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention,
+                               handoff=handoff)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
                           service_names=[TRAINER_SERVICE], host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
@@ -57,6 +61,8 @@ def build_trainer(cfg: TrainerConfig) -> Built:
     def on_shutdown() -> None:
         core.stop()
         replicas.stop_all()
+        if handoff is not None:
+            handoff.close()
 
     return server, on_shutdown
 

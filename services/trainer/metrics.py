@@ -55,6 +55,8 @@ REDUCE_TIME = Histogram("gyre_trainer_allreduce_seconds", "Gradient all-reduce t
                         registry=REGISTRY, buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60))
 EVICTED = Counter("gyre_trainer_evicted_replicas_total", "Replicas evicted from a step (no report in time).",
                   registry=REGISTRY)
+HANDOFFS = Counter("gyre_trainer_handoffs_total", "Gradient sums of replicas that left mid-step, taken by the core, "
+                   "by way: shared_memory (a replica on this host) or stream (gRPC).", ["via"], registry=REGISTRY)
 
 
 def record_step(metrics: dict[str, float]) -> None:

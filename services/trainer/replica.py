@@ -36,7 +36,7 @@ from services.common.logging import get_logger
 from services.common.memory import release_free_memory, rss_bytes
 from services.trainer.client import TrainerClient
 from services.trainer.core import backend_for, build_learner
-from services.trainer.elastic import ReduceCalledOff, all_reduce_step, arrive, open_group
+from services.trainer.elastic import JoinTicket, ReduceCalledOff, all_reduce_step, arrive, open_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import Learner
 from services.trainer.journal import journal_for
@@ -77,10 +77,14 @@ class Replica:
         self._alive_stop = threading.Event()
         self._alive: threading.Thread | None = None
         self._store: tuple[tuple[str, int], Any] | None = None
+        self._interrupted_at: float | None = None
+        self._ticket: JoinTicket | None = None  # the step it is in
 
     def interrupt(self) -> None:
         """Give the cell back now (SIGTERM): leave at the next micro-batch boundary, also when
         waiting for batches that have not been produced yet (the rollouts may need this cell)."""
+        if self._interrupted_at is None:
+            self._interrupted_at = time.perf_counter()
         self.stop_event.set()
         interrupt = getattr(self._source, "interrupt", None)
         if interrupt is not None:
@@ -125,6 +129,7 @@ class Replica:
             if joined is None:
                 break
             ticket, job, backend = joined
+            self._ticket = ticket
             log = self.log.bind(job_id=job.job_id, step=ticket.step)
             if self._alive is None and ticket.heartbeat_interval_s > 0:
                 self._alive = threading.Thread(target=self._heartbeat, args=(ticket.heartbeat_interval_s,),
@@ -218,12 +223,23 @@ class Replica:
                 return None
 
     def _leave(self, step: int, trained: int, learner: Learner) -> None:
+        """Leave ``step`` mid-way; the log line times the release's parts: ``finish_s`` from the
+        interrupt to the last micro-batch's end, ``handoff_s`` the hand-off itself."""
+        t0 = time.perf_counter()
+        finish_s = round(t0 - self._interrupted_at, 3) if self._interrupted_at is not None else None
         if trained:
-            self.core.hand_off_gradients(self.replica_id, step, learner.handoff_state())
-            self.log.info("left mid-step with hand-off", step=step, micro_batches=trained)
+            state = learner.handoff_state()
+            ticket = self._ticket
+            shared = ticket is not None and self.core.hand_off_shared(
+                self.replica_id, step, state, folder=ticket.handoff_dir, token=ticket.handoff_token) is not None
+            if not shared:
+                self.core.hand_off_gradients(self.replica_id, step, state)
+            self.log.info("left mid-step with hand-off", step=step, micro_batches=trained, finish_s=finish_s,
+                          handoff_s=round(time.perf_counter() - t0, 3), shared_memory=shared,
+                          handoff_mb=round(sum(t.numel() * t.element_size() for t in state.values()) / 2**20, 1))
         else:
             self.core.leave_step(self.replica_id)
-            self.log.info("left mid-step", step=step)
+            self.log.info("left mid-step", step=step, finish_s=finish_s, leave_s=round(time.perf_counter() - t0, 3))
 
 
 def default_replica_id(cell_id: str) -> str:

@@ -16,6 +16,8 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.logging import get_logger
 from services.trainer import wire
 from services.trainer.core import CoreTrainer, backend_for
+from services.trainer.handoff import SharedHandoff, TensorRef
+from services.trainer.metrics import HANDOFFS
 from services.trainer.spawn import ReplicaProcesses
 
 log = get_logger(__name__)
@@ -24,8 +26,10 @@ log = get_logger(__name__)
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, core: CoreTrainer, *, replicas: ReplicaProcesses | None = None,
                  default_trajectory_address: str = "", chunk_bytes: int = 4 << 20,
-                 activation_checkpointing: bool = False, attention: str = "auto") -> None:
+                 activation_checkpointing: bool = False, attention: str = "auto",
+                 handoff: SharedHandoff | None = None) -> None:
         self.core = core
+        self.handoff = handoff  # the shared-memory folder replicas on this host hand off through
         self.attention = attention  # likewise, for jobs whose attention is 'auto' or unset
         # the deployment's default for jobs that do not say (a job's own option wins)
         self.activation_checkpointing = activation_checkpointing
@@ -114,7 +118,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             step=ticket.step, weight_version=ticket.weight_version, store_host=ticket.store_host,
             store_port=ticket.store_port, group_prefix=ticket.group_prefix, job=wire.job_to_proto(job),
             backend=backend_for(self.core.model().parameters().__next__().device),
-            heartbeat_interval_s=ticket.heartbeat_interval_s)
+            heartbeat_interval_s=ticket.heartbeat_interval_s,
+            handoff_dir=str(self.handoff.dir) if self.handoff is not None else "",
+            handoff_token=self.handoff.token if self.handoff is not None else "")
 
     def ReplicaAlive(self, request: trainer_pb2.ReplicaAliveRequest, context: Any) -> trainer_pb2.ReplicaAliveResponse:
         if not request.replica_id:
@@ -138,7 +144,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                          context: Any) -> trainer_pb2.LeaveStepResponse:
         replica_id, step, grads = wire.gradients_from_stream(request_iterator)
         self.core.hand_off(replica_id, step, grads)
+        HANDOFFS.labels(via="stream").inc()
         return trainer_pb2.LeaveStepResponse(step=step)
+
+    def HandOffSharedGradients(self, request: trainer_pb2.SharedGradients,
+                               context: Any) -> trainer_pb2.LeaveStepResponse:
+        if self.handoff is None:
+            raise FailedPrecondition("this trainer has no shared-memory hand-off folder; stream the gradients "
+                                     "with HandOffGradients")
+        if not request.replica_id or not request.file or request.step < 0:
+            raise InvalidArgument("HandOffSharedGradients needs replica_id, step >= 0 and file")
+        refs = [TensorRef(name=t.name, dtype=t.dtype, shape=tuple(t.shape), offset_bytes=t.offset_bytes)
+                for t in request.tensors]
+        grads = self.handoff.take(request.file, refs)  # unlinks the file, taken or not
+        self.core.hand_off(request.replica_id, request.step, grads)
+        HANDOFFS.labels(via="shared_memory").inc()
+        return trainer_pb2.LeaveStepResponse(step=request.step)
 
     # -- orchestrator -----------------------------------------------------------------------------
     def AddReplica(self, request: trainer_pb2.AddReplicaRequest, context: Any) -> trainer_pb2.AddReplicaResponse:

@@ -50,8 +50,10 @@ from services.common.errors import FailedPrecondition
 from services.common.server import build_server
 from services.trainer.client import TrainerClient
 from services.trainer.core import CoreTrainer
+from services.trainer.handoff import SharedHandoff
 from services.trainer.job import TrainerJob
 from services.trainer.main import TRAINER_SERVICE
+from services.trainer.metrics import HANDOFFS
 from services.trainer.servicer import TrainerServicer
 from services.trainer.spawn import ReplicaProcesses
 from tests.support.waiting import wait_until
@@ -196,12 +198,12 @@ class _Pool:
 
 
 @contextmanager
-def _pool_core(tmp_path: Path, job_id: str) -> Iterator[_Pool]:
+def _pool_core(tmp_path: Path, job_id: str, handoff: SharedHandoff | None = None) -> Iterator[_Pool]:
     """A core with a pool of one warm replica process, running a 2-step job whose core blocks in
     step 1 (the synthetic queue's hold) until the test is done; everything stopped afterwards."""
     torch.set_num_threads(1)
     core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
-    servicer = TrainerServicer(core)
+    servicer = TrainerServicer(core, handoff=handoff)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
                           service_names=[TRAINER_SERVICE]).start()
     address = f"127.0.0.1:{server.port}"
@@ -231,8 +233,15 @@ def _pool_core(tmp_path: Path, job_id: str) -> Iterator[_Pool]:
 def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> None:
     """The core's pool of replica processes: a cell given back (ReleaseReplica) frees its process,
     which waits for the next cell instead of exiting, so the next AddReplica (another cell, the same
-    job) gets it ready: no process start on any later switch. Its step completes with both."""
-    with _pool_core(tmp_path, "pool") as pool:
+    job) gets it ready: no process start on any later switch. Its step completes with both.
+
+    The pool's processes run on the core's host, so the released replica hands its gradient sum
+    over through the core's shared-memory folder (the main test above streams B's, a replica a
+    cell daemon started), and leaves no file there."""
+    shm = SharedHandoff(tmp_path)
+    via_shm = HANDOFFS.labels(via="shared_memory")
+    before = via_shm._value.get()
+    with _pool_core(tmp_path, "pool", handoff=shm) as pool:
         replicas, client, store, prefix, pid = pool.replicas, pool.client, pool.store, pool.prefix, pool.pid
         a = client.add_replica("cell-a", switch_id="s1", wait_s=120)
         assert (a.pid, a.step) == (pid, 1)
@@ -259,12 +268,15 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
         assert (b.pid, b.step) == (pid, 1) and b.replica_id != a.replica_id  # the same process, a new replica
         r1 = client.wait_step(1, timeout_s=90)
         assert r1.finished and r1.metrics["handed_off"] == 1
+        assert via_shm._value.get() == before + 1  # A's sum came through shared memory
+        assert [p.name for p in shm.dir.iterdir()] == [".token"]
         # the job's end releases B too: its process is back in the pool, again not gone
         wait_until(lambda: replicas.alive(b.replica_id) is False, 90, "replica B to end with the job")
         assert pid in replicas.warm_pids()
         log = (tmp_path / "replica-warm.log").read_text()
         assert log.count("warm replica assigned") == 2
     assert replicas.warm_pids() == []
+    shm.close()
 
 
 @pytest.mark.timeout(300)
