@@ -5,6 +5,7 @@ cell is given back), from the job's own events (``switch_finished`` durations, `
 
     .venv/bin/python -m bench.bench_switch [--steps 4]
     .venv/bin/python -m bench.bench_switch --model smollm2-135m-instruct --task arith --steps 3 --eval-tasks 8
+    .venv/bin/python -m bench.bench_switch --model smollm2-135m-instruct --task arith --handoff   # shm vs gRPC
 
 Writes bench/results/switch.md (the second: switch-smollm2.md; ``--out`` to choose). Phases (services actuator, one host): rollout -> train = drain
 (the gateway migrates the cell's requests, KV over UCX) + replica_join (a replica process in the
@@ -12,6 +13,11 @@ running step with the current weights: a cold start or a warm process handed the
 train -> rollout = release (the replica hands off its gradient and leaves) + engine_resume (the
 gateway routes to the engine again; it kept its model and KV pool while the cell trained); a
 pool process's release is a leave (SIGUSR1, hand-off), not an exit.
+
+``--handoff``: the pool of 2 both times, once with the gradient hand-off through the core's shared
+memory (the default) and once streamed over gRPC (``shared_handoff = false``). Each release is also
+broken down from the replicas' own log lines: finish (interrupt -> its last micro-batch done) and
+hand-off (the gradient sum to the core).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "switch.md"
 
 
-def run(warm: int, args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
-    out = work / f"warm-{warm}"
-    env = {**os.environ, "GYRE_TRAINER_WARM_REPLICAS": str(warm)}
+def run(warm: int, args: argparse.Namespace, work: Path, *, shared: bool = True) -> tuple[list[dict], dict, list[dict]]:
+    out = work / f"warm-{warm}-{'shm' if shared else 'stream'}"
+    env = {**os.environ, "GYRE_TRAINER_WARM_REPLICAS": str(warm),
+           "GYRE_TRAINER_SHARED_HANDOFF": "true" if shared else "false"}
     job = ["--model", args.model] if args.model else []
     job += ["--task", args.task] if args.task else []
     job += ["--evaluation.tasks", str(args.eval_tasks)] if args.eval_tasks else []
@@ -44,7 +51,20 @@ def run(warm: int, args: argparse.Namespace, work: Path) -> tuple[list[dict], di
         raise SystemExit(f"gyre run (warm_replicas={warm}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     summary = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
     rows = [json.loads(x) for x in (out / "report" / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "switch"], summary
+    return [r for r in rows if r["kind"] == "switch"], summary, releases(out / "data")
+
+
+def releases(data: Path) -> list[dict]:
+    """The replicas' "left mid-step" log lines (JSON) under a run's data directory."""
+    found = []
+    for log in sorted(data.rglob("replica*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"left mid-step' in line:
+                try:
+                    found.append(json.loads(line))
+                except ValueError:
+                    continue
+    return found
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -59,16 +79,20 @@ def main() -> None:
     parser.add_argument("--task", default="", help="gyre run's --task (e.g. arith with smollm2-135m-instruct)")
     parser.add_argument("--eval-tasks", type=int, default=0, help="held-out tasks per evaluation (0: the job's)")
     parser.add_argument("--out", default="", help="results file (default: switch.md, or switch-<model>.md)")
+    parser.add_argument("--handoff", action="store_true",
+                        help="the pool of 2 both times: gradient hand-off through shared memory vs streamed")
     args = parser.parse_args()
-    results_file = Path(args.out) if args.out else (
-        RESULTS.with_name(f"switch-{args.model.split('-')[0]}.md") if args.model else RESULTS)
+    stem = f"switch-{args.model.split('-')[0]}" if args.model else "switch"
+    results_file = Path(args.out) if args.out else RESULTS.with_name(f"{stem}{'-handoff' if args.handoff else ''}.md")
     model = f"model `{args.model}`" + (f", task `{args.task}`" if args.task else "") if args.model else "the built-in model"
     t0 = time.perf_counter()
+    variants = [("2, shared memory", 2, True), ("2, streamed", 2, False)] if args.handoff else [
+        ("0", 0, True), ("2", 2, True)]
     results = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-switch-") as d:
-        for warm in (0, 2):
-            print(f"gyre run, warm_replicas={warm} ...", flush=True)
-            results[warm] = run(warm, args, Path(d))
+        for label, warm, shared in variants:
+            print(f"gyre run, warm_replicas={warm} shared_handoff={shared} ...", flush=True)
+            results[label] = run(warm, args, Path(d), shared=shared)
     out = ["# CellRole-switch latency (live stack)", "",
            f"`python -m bench.bench_switch{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`: `gyre run --mode "
            f"elastic --num-steps {args.steps}` on {model} (its run config's rollout cells + the trainer core, "
@@ -79,7 +103,7 @@ def main() -> None:
            f"`switch_finished` events, phases from its `switch_phases` events. Total {time.perf_counter() - t0:.0f} s.",
            "", "| warm replicas | direction | switches | median s | p90 s | mean s | median per phase s |",
            "|---:|---|---:|---:|---:|---:|---|"]
-    for warm, (switches, _summary) in results.items():
+    for label, (switches, _summary, _rel) in results.items():
         for frm, to in (("rollout", "train"), ("train", "rollout")):
             rows = [s for s in switches if (s["from"], s["to"]) == (frm, to)]
             if not rows:
@@ -88,12 +112,25 @@ def main() -> None:
             names = sorted({k for s in rows for k in (s.get("phases") or {})})
             phases = ", ".join(f"{n} {statistics.median([(s.get('phases') or {}).get(n, 0.0) for s in rows]):.2f}"
                                for n in names)
-            out.append(f"| {warm} | {frm} -> {to} | {len(rows)} | {statistics.median(ds):.2f} | {pct(ds, 0.9):.2f} | "
+            out.append(f"| {label} | {frm} -> {to} | {len(rows)} | {statistics.median(ds):.2f} | {pct(ds, 0.9):.2f} | "
                        f"{sum(ds) / len(ds):.2f} | {phases or '-'} |")
     out += ["", "| warm replicas | wall s | held-out pass rate (first -> last) | switches |", "|---:|---:|---|---:|"]
-    for warm, (_switches, s) in results.items():
-        out.append(f"| {warm} | {s['wall_s']:.1f} | {s['heldout_pass_rate_first']:.3f} -> "
+    for label, (_switches, s, _rel) in results.items():
+        out.append(f"| {label} | {s['wall_s']:.1f} | {s['heldout_pass_rate_first']:.3f} -> "
                    f"{s['heldout_pass_rate_last']:.3f} | {s['switches']} |")
+    out += ["", "Releases from the replicas' logs (a release of a replica that trained nothing is a leave, no "
+            "hand-off):", "",
+            "| warm replicas | releases | with hand-off | median finish s | median hand-off s (max) | MB | way |",
+            "|---:|---:|---:|---:|---|---:|---|"]
+    for label, (_switches, _s, rel) in results.items():
+        handed = [r for r in rel if "handoff_s" in r]
+        fin = [r["finish_s"] for r in rel if r.get("finish_s") is not None]
+        ways = sorted({"shared memory" if r.get("shared_memory") else "stream" for r in handed})
+        ho = ([r["handoff_s"] for r in handed] or [0.0])
+        out.append(f"| {label} | {len(rel)} | {len(handed)} | {statistics.median(fin) if fin else 0:.2f} | "
+                   f"{statistics.median(ho):.2f} ({max(ho):.2f}) | "
+                   f"{statistics.median([r['handoff_mb'] for r in handed]) if handed else 0:.0f} | "
+                   f"{', '.join(ways) or '-'} |")
     out += ["", "Targets (issue: elastic pays for itself): median rollout -> train <= 1.0 s, train -> rollout "
             "<= 0.5 s. A switch's duration runs from the scheduler's switch_started to its switch_finished "
             "(the phases plus bookkeeping). The wall time of so short a job swings with the two cores' load "
