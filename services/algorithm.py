@@ -18,7 +18,8 @@ knob is a field of the job's ``[job.algorithm]`` section (``Algorithm``):
    clip-higher, optional truncated importance sampling, k3 KL and an entropy bonus
    (``ObjectiveConfig``, ``policy_loss``; below).
 4. **The update** (the trainer, once per step, after the all-reduce of the summed gradients):
-   AdamW with ``learning_rate`` and ``weight_decay``, global grad-norm clip ``max_grad_norm``
+   AdamW with ``learning_rate`` (ramped up over ``lr_warmup_steps``) and ``weight_decay``, global
+   grad-norm clip ``max_grad_norm``
    (``services/trainer/learner.py`` ``Updater.apply``).
 
 Which tokens are trained is the trajectory tree's business (``services/trajectory/tree.py``): the
@@ -95,6 +96,11 @@ class Algorithm:
 
     learning_rate: float = 1e-5
     """AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Steps over which the learning rate ramps up linearly: step s < N updates with
+    ``learning_rate * (s + 1) / (N + 1)``, later steps with ``learning_rate`` (0: full from the first
+    step). Adam's first update moves every parameter by about the learning rate, whatever the size
+    of its gradient."""
     clip_low: float = 0.2
     """Lower clip range of the policy ratio (1 - clip_low)."""
     clip_high: float = 0.28
@@ -131,6 +137,8 @@ class Algorithm:
     def __post_init__(self) -> None:
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"algorithm.learning_rate is {self.learning_rate}; expected a finite number > 0")
+        if not (isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0):
+            raise ValueError(f"algorithm.lr_warmup_steps is {self.lr_warmup_steps}; expected a whole number >= 0")
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"algorithm.clip_low is {self.clip_low}; expected in [0, 1)")
         for name in ("clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm"):

@@ -86,6 +86,14 @@ def trainer_objective(a: Algorithm) -> Any:
     return objective_params(a.objective(), temperature=a.temperature, kl_reference=a.kl_reference)
 
 
+def trainer_optim(a: Algorithm) -> Any:
+    """The trainer's ``OptimParams`` for a job's ``[job.algorithm]``."""
+    from protos.gyre.v1 import trainer_pb2
+
+    return trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
+                                   warmup_steps=a.lr_warmup_steps)
+
+
 class JobController:
     def __init__(self, state: SchedulerState, *, trainer: Any, trajectory: Any, reward: Any,
                  trajectory_address: str, scheduler_address: str, checkpoint_root: str, is_leader: Callable[[], bool] = lambda: True,
@@ -276,8 +284,7 @@ class JobController:
 
         spec, a = job.spec, job.spec.algorithm
         objective = trainer_objective(a)
-        optim = trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay,
-                                        max_grad_norm=a.max_grad_norm)
+        optim = trainer_optim(a)
         return trainer_pb2.TrainerJobSpec(
             job_id=job.job_id, model=spec.model, source="trajectory",
             trajectory_address=self.trajectory_address, engine_addresses=self._engines(),

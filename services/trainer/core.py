@@ -251,7 +251,7 @@ class CoreTrainer:
         retrained = self._retrain_lost(st, step, slog)
 
         self._set_phase("updating")
-        grad_norm = st.updater.apply()
+        grad_norm = st.updater.apply(step)
         new_version = version + 1
         snap_t0 = time.perf_counter()
         snapshot = self.weights.publish(learner.model, new_version)
@@ -262,6 +262,7 @@ class CoreTrainer:
         metrics = stats.as_dict()
         metrics.update(grad_norm=grad_norm, step_time_s=step_s, train_time_s=train_s, allreduce_s=reduce_s,
                        world_size=float(seal.world_size), handed_off=float(len(handed)),
+                       lr=st.updater.config.lr_at(step),
                        tokens_per_s=metrics.get("tokens", 0.0) / step_s if step_s > 0 else 0.0,
                        compute_s=compute_s, train_tokens_per_s=own_tokens / compute_s if compute_s > 0 else 0.0,
                        weight_version=float(new_version), publish_s=publish.engines_s,

@@ -258,6 +258,8 @@ class OptimConfig:
     """Adam epsilon."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup: step s < N uses lr * (s + 1) / (N + 1) (0 = none)."""
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -266,6 +268,13 @@ class OptimConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.weight_decay < 0 or self.eps <= 0 or self.max_grad_norm < 0:
             raise ValueError("weight_decay and max_grad_norm must be >= 0 and eps > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the update that ends job step ``step`` (0-based)."""
+        n = self.warmup_steps
+        return self.lr * (step + 1) / (n + 1) if 0 <= step < n else self.lr
 
 
 class Updater:
@@ -278,8 +287,12 @@ class Updater:
             [p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=config.betas,
             eps=config.eps, weight_decay=config.weight_decay, foreach=False)
 
-    def apply(self) -> float:
-        """Clip, step, zero; returns the pre-clip global gradient norm."""
+    def apply(self, step: int = -1) -> float:
+        """Clip, step, zero; returns the pre-clip global gradient norm. ``step``: the job step the
+        update ends (the learning rate's warmup counts job steps, so a resumed job goes on where it
+        was; -1: the full rate)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))

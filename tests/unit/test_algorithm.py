@@ -83,3 +83,38 @@ def test_the_dual_clip_reaches_the_trainer() -> None:
     job = TrainerJob(job_id="d", source="synthetic", objective=Algorithm().objective())
     assert job_from_proto(job_to_proto(job)).objective.dual_clip == 3.0
     assert job_from_proto(trainer_pb2.TrainerJobSpec(job_id="d", source="synthetic")).objective.dual_clip is None
+
+
+def test_the_learning_rate_warms_up_over_the_jobs_first_steps() -> None:
+    """``lr_warmup_steps`` reaches the trainer's optimizer through the job API's mapping; step s < N
+    updates with lr * (s + 1) / (N + 1), counted in job steps (a resumed job goes on where it was),
+    and the update's size follows it: Adam's first update moves each parameter by about its lr."""
+    import torch
+
+    from protos.gyre.v1 import trainer_pb2
+    from services.scheduler.controller import trainer_objective, trainer_optim
+    from services.trainer.learner import Updater
+    from services.trainer.wire import job_from_proto, job_to_proto
+
+    a = Algorithm(learning_rate=1e-2, lr_warmup_steps=3)
+    msg = trainer_pb2.TrainerJobSpec(job_id="w", source="synthetic", objective=trainer_objective(a),
+                                     optim=trainer_optim(a))
+    optim = job_from_proto(msg).optim
+    assert job_from_proto(job_to_proto(job_from_proto(msg))).optim == optim
+    assert [optim.lr_at(s) for s in range(5)] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])
+    assert job_from_proto(trainer_pb2.TrainerJobSpec(job_id="w", source="synthetic")).optim.warmup_steps == 0
+
+    moved = []
+    for step in (0, 3):  # a fresh optimizer each time: the first update's size is lr per parameter
+        model = torch.nn.Linear(4, 1, bias=False)
+        before = model.weight.detach().clone()
+        model.weight.grad = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+        Updater(model, optim).apply(step)
+        moved.append(float((model.weight.detach() - before).abs().max()))
+    assert moved == pytest.approx([2.5e-3, 1e-2], rel=1e-3)
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        Algorithm(lr_warmup_steps=-1)
+    from services.scheduler.convert import spec_from_proto, spec_to_proto
+    from tests.service.scheduler_support import job_spec
+
+    assert spec_from_proto(spec_to_proto(job_spec("w", algorithm=a)), "w").algorithm.lr_warmup_steps == 3
