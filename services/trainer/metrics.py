@@ -20,6 +20,7 @@ STEP_GAUGES: dict[str, Gauge] = {
         ("loss", "Loss of the last step (mean over executions of the per-token loss)."),
         ("pg_loss", "Policy-gradient part of the last step's loss."),
         ("grad_norm", "Global gradient norm of the last step, before clipping."),
+        ("lr", "Learning rate of the last step's update (after its warmup factor)."),
         ("entropy", "Mean token entropy of the last step."),
         ("clip_frac", "Fraction (weighted) of target tokens whose ratio was clipped, last step."),
         ("kl", "k3 KL against the reference (or behaviour) policy, last step (whatever kl_estimator the loss uses)."),
