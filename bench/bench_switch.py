@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +67,10 @@ def releases(data: Path) -> list[dict]:
                 except ValueError:
                     continue
     return found
+
+
+def _counts(xs: Iterable[str]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(Counter(xs).items())) or "-"
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -120,8 +126,9 @@ def main() -> None:
                    f"{s['heldout_pass_rate_last']:.3f} | {s['switches']} |")
     out += ["", "Releases from the replicas' logs (a release of a replica that trained nothing is a leave, no "
             "hand-off):", "",
-            "| warm replicas | releases | with hand-off | median finish s | median hand-off s (max) | MB | way |",
-            "|---:|---:|---:|---:|---|---:|---|"]
+            "| warm replicas | releases | with hand-off | median finish s | median hand-off s (max) | MB | way | "
+            "interrupted while |",
+            "|---:|---:|---:|---:|---|---:|---|---|"]
     for label, (_switches, _s, rel) in results.items():
         handed = [r for r in rel if "handoff_s" in r]
         fin = [r["finish_s"] for r in rel if r.get("finish_s") is not None]
@@ -130,7 +137,7 @@ def main() -> None:
         out.append(f"| {label} | {len(rel)} | {len(handed)} | {statistics.median(fin) if fin else 0:.2f} | "
                    f"{statistics.median(ho):.2f} ({max(ho):.2f}) | "
                    f"{statistics.median([r['handoff_mb'] for r in handed]) if handed else 0:.0f} | "
-                   f"{', '.join(ways) or '-'} |")
+                   f"{', '.join(ways) or '-'} | {_counts(r.get('interrupted_in') or '?' for r in rel)} |")
     out += ["", "Targets (issue: elastic pays for itself): median rollout -> train <= 1.0 s, train -> rollout "
             "<= 0.5 s. A switch's duration runs from the scheduler's switch_started to its switch_finished "
             "(the phases plus bookkeeping). The wall time of so short a job swings with the two cores' load "

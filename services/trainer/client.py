@@ -10,8 +10,11 @@ domain errors (``services.common.errors``) carrying the server's status message.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from protos.gyre.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.client import GrpcClient
@@ -23,6 +26,10 @@ if TYPE_CHECKING:
     import torch
 
     from services.trainer.elastic import JoinTicket, Seal
+
+
+class Interrupted(Exception):
+    """A replica's call given up because its cell is wanted back (``stop`` set)."""
 
 
 class TrainerClient(GrpcClient):
@@ -49,13 +56,27 @@ class TrainerClient(GrpcClient):
                           timeout_s + 30.0)
 
     # -- weights ----------------------------------------------------------------------------------
-    def get_weights(self, version: int = -1, *, wait_s: float = 0.0,
-                    chunk_bytes: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
-        """(version, state_dict) of a published weight version."""
+    def get_weights(self, version: int = -1, *, wait_s: float = 0.0, chunk_bytes: int = 0,
+                    stop: threading.Event | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, state_dict) of a published weight version. ``stop`` set while the weights stream
+        in: the stream is cancelled and ``Interrupted`` raised (a replica whose cell is wanted back
+        leaves now instead of loading weights it will not use)."""
         from services.trainer.weights import assemble
 
         req = trainer_pb2.GetWeightsRequest(version=version, wait_s=wait_s, chunk_bytes=chunk_bytes)
-        return assemble(wire.chunk_to_dict(c) for c in self._stream(self._stub.GetWeights, req, wait_s + 600.0))
+        call = self._stub.GetWeights(req, timeout=wait_s + 600.0)
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            try:
+                for c in call:
+                    if stop is not None and stop.is_set():
+                        call.cancel()
+                        raise Interrupted(f"weights {version} not loaded: interrupted")
+                    yield wire.chunk_to_dict(c)
+            except grpc.RpcError as exc:
+                raise self._error(exc) from None
+
+        return assemble(chunks())
 
     def weight_chunks(self, version: int = -1, *, chunk_bytes: int = 0) -> Iterator[common_pb2.WeightChunk]:
         """The raw WeightChunk stream of a published version (relayed as is, e.g. to an engine)."""

@@ -34,7 +34,7 @@ import torch
 from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.common.memory import release_free_memory, rss_bytes
-from services.trainer.client import TrainerClient
+from services.trainer.client import Interrupted, TrainerClient
 from services.trainer.core import backend_for, build_learner
 from services.trainer.elastic import JoinTicket, ReduceCalledOff, all_reduce_step, arrive, open_group
 from services.trainer.job import TrainerJob
@@ -78,6 +78,8 @@ class Replica:
         self._alive: threading.Thread | None = None
         self._store: tuple[tuple[str, int], Any] | None = None
         self._interrupted_at: float | None = None
+        self._phase = "starting"  # what it was doing, for the release's log line
+        self._interrupted_in = ""
         self._ticket: JoinTicket | None = None  # the step it is in
 
     def interrupt(self) -> None:
@@ -85,6 +87,7 @@ class Replica:
         waiting for batches that have not been produced yet (the rollouts may need this cell)."""
         if self._interrupted_at is None:
             self._interrupted_at = time.perf_counter()
+            self._interrupted_in = self._phase
         self.stop_event.set()
         interrupt = getattr(self._source, "interrupt", None)
         if interrupt is not None:
@@ -125,6 +128,7 @@ class Replica:
         t0 = time.perf_counter()
         held_version = -1
         while not self.stop_event.is_set():
+            self._phase = "joining a step"
             joined = self._join()
             if joined is None:
                 break
@@ -148,7 +152,12 @@ class Replica:
             learner, source = self._learner, self._source
             assert source is not None
             if held_version != ticket.weight_version:
-                _, state = self.core.get_weights(ticket.weight_version, wait_s=3600.0)
+                self._phase = "loading weights"
+                try:
+                    _, state = self.core.get_weights(ticket.weight_version, wait_s=3600.0, stop=self.stop_event)
+                except Interrupted:
+                    self._leave(ticket.step, 0, learner)  # its cell is wanted back: no weights it won't use
+                    break
                 load_state(learner.model, state)
                 held_version = ticket.weight_version
             if self.stats.steps == 0:
@@ -159,9 +168,11 @@ class Replica:
             journal = journal_for(job.checkpoint_dir, job.job_id)
             trained = 0
             while not self.stop_event.is_set():
+                self._phase = "waiting for a micro-batch"
                 d = source.next(ticket.step)  # None at the step's end, or after interrupt()
                 if d is None:
                     break
+                self._phase = "training a micro-batch"
                 trained += train_delivery(learner, d, step=ticket.step, journal=journal, log=log)
             self.stats.micro_batches += trained
             assert self.stats.per_step_batches is not None
@@ -177,6 +188,7 @@ class Replica:
                     # asked to go just as the step was sealed with it: the others wait for its
                     # gradient in the all-reduce, so it takes part first and then exits
                     log.info("released at the step's seal; all-reducing before leaving")
+            self._phase = "all-reducing"
             seal = self.core.await_reduce(self.replica_id, ticket.step)
             if seal.world_size > 1:
                 store = self._store_for(ticket.store_host, ticket.store_port)
@@ -224,7 +236,7 @@ class Replica:
 
     def _leave(self, step: int, trained: int, learner: Learner) -> None:
         """Leave ``step`` mid-way; the log line times the release's parts: ``finish_s`` from the
-        interrupt to the last micro-batch's end, ``handoff_s`` the hand-off itself."""
+        interrupt to here (what it was doing: ``interrupted_in``), ``handoff_s`` the hand-off itself."""
         t0 = time.perf_counter()
         finish_s = round(t0 - self._interrupted_at, 3) if self._interrupted_at is not None else None
         if trained:
@@ -235,11 +247,13 @@ class Replica:
             if not shared:
                 self.core.hand_off_gradients(self.replica_id, step, state)
             self.log.info("left mid-step with hand-off", step=step, micro_batches=trained, finish_s=finish_s,
+                          interrupted_in=self._interrupted_in,
                           handoff_s=round(time.perf_counter() - t0, 3), shared_memory=shared,
                           handoff_mb=round(sum(t.numel() * t.element_size() for t in state.values()) / 2**20, 1))
         else:
             self.core.leave_step(self.replica_id)
-            self.log.info("left mid-step", step=step, finish_s=finish_s, leave_s=round(time.perf_counter() - t0, 3))
+            self.log.info("left mid-step", step=step, finish_s=finish_s, interrupted_in=self._interrupted_in,
+                          leave_s=round(time.perf_counter() - t0, 3))
 
 
 def default_replica_id(cell_id: str) -> str:

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ from services.rollout.client import EngineClient
 from services.rollout.host import EngineHost
 from services.rollout.servicer import EngineServicer
 from services.rollout.torch_engine import TorchEngine
-from services.trainer.client import TrainerClient
+from services.trainer.client import Interrupted, TrainerClient
 from services.trainer.core import CoreTrainer
 from services.trainer.job import TrainerJob
 from services.trainer.learner import OptimConfig
@@ -171,6 +173,13 @@ def test_bad_requests_get_precise_statuses(trainer: Trainer) -> None:
         c.get_weights(-5)
     v, latest = c.get_weights(-1)
     assert v == 3 and set(latest) == set(trainer.core.model().state_dict())
+    # a replica whose cell is wanted back while its weights stream in gives them up (the call is
+    # cancelled, the server goes on serving)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Interrupted, match="interrupted"):
+        c.get_weights(-1, chunk_bytes=1024, stop=stop)
+    assert c.get_weights(-1)[0] == 3
     with pytest.raises(errors.NotFound):
         c.release_replica(cell_id="cell-nobody")
     with pytest.raises(errors.NotFound, match="not the trainer's job"):
