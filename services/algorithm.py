@@ -67,8 +67,9 @@ d = ref - logp by ``kl_estimator`` (Schulman's k1/k2/k3 naming):
                                      so one token pushed down by many nats can dominate a step
     k2          d^2 / 2              biased; gradient -d, linear in the gap
     low_var_kl  min(k3, 10)          k3 clamped as verl's ``low_var_kl``: a token past the clamp
-                                     gets no KL gradient at all All metrics are returned as weighted *sums*
-(sum_i w_i * x_i) so they add over micro-batches and replicas exactly like the loss does; ratio
+                                     gets no KL gradient at all
+
+All metrics are returned as weighted *sums* (sum_i w_i * x_i) so they add over micro-batches and replicas exactly like the loss does; ratio
 min/max are returned separately (reduce with max/min).
 """
 

@@ -23,6 +23,7 @@ at exit. Folders left by a core that was killed are removed by the next core on 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -58,10 +59,7 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -127,10 +125,7 @@ class SharedHandoff:
                    else torch.empty(0, dtype=torch.uint8))
         finally:
             os.close(fd)
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+            path.unlink(missing_ok=True)
         return {r.name: buf[r.offset_bytes:r.offset_bytes + r.nbytes].view(_dtype(r.dtype)).reshape(r.shape)
                 for r in refs}
 

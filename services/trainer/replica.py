@@ -80,7 +80,6 @@ class Replica:
         self._interrupted_at: float | None = None
         self._phase = "starting"  # what it was doing, for the release's log line
         self._interrupted_in = ""
-        self._ticket: JoinTicket | None = None  # the step it is in
 
     def interrupt(self) -> None:
         """Give the cell back now (SIGTERM): leave at the next micro-batch boundary, also when
@@ -133,7 +132,6 @@ class Replica:
             if joined is None:
                 break
             ticket, job, backend = joined
-            self._ticket = ticket
             log = self.log.bind(job_id=job.job_id, step=ticket.step)
             if self._alive is None and ticket.heartbeat_interval_s > 0:
                 self._alive = threading.Thread(target=self._heartbeat, args=(ticket.heartbeat_interval_s,),
@@ -156,7 +154,7 @@ class Replica:
                 try:
                     _, state = self.core.get_weights(ticket.weight_version, wait_s=3600.0, stop=self.stop_event)
                 except Interrupted:
-                    self._leave(ticket.step, 0, learner)  # its cell is wanted back: no weights it won't use
+                    self._leave(ticket, 0, learner)  # its cell is wanted back: no weights it won't use
                     break
                 load_state(learner.model, state)
                 held_version = ticket.weight_version
@@ -180,7 +178,7 @@ class Replica:
             leaving = self.stop_event.is_set()
             if leaving:
                 try:
-                    self._leave(ticket.step, trained, learner)
+                    self._leave(ticket, trained, learner)
                     break
                 except FailedPrecondition as exc:
                     if "is sealed" not in str(exc):
@@ -234,15 +232,15 @@ class Replica:
             if self.stop_event.wait(0.5):
                 return None
 
-    def _leave(self, step: int, trained: int, learner: Learner) -> None:
-        """Leave ``step`` mid-way; the log line times the release's parts: ``finish_s`` from the
+    def _leave(self, ticket: JoinTicket, trained: int, learner: Learner) -> None:
+        """Leave the ticket's step mid-way; the log line times the release's parts: ``finish_s`` from the
         interrupt to here (what it was doing: ``interrupted_in``), ``handoff_s`` the hand-off itself."""
+        step = ticket.step
         t0 = time.perf_counter()
         finish_s = round(t0 - self._interrupted_at, 3) if self._interrupted_at is not None else None
         if trained:
             state = learner.handoff_state()
-            ticket = self._ticket
-            shared = ticket is not None and self.core.hand_off_shared(
+            shared = self.core.hand_off_shared(
                 self.replica_id, step, state, folder=ticket.handoff_dir, token=ticket.handoff_token) is not None
             if not shared:
                 self.core.hand_off_gradients(self.replica_id, step, state)
