@@ -216,3 +216,47 @@ def test_the_deployments_attention_is_the_default_of_jobs_that_do_not_choose() -
         server.stop(0)
     with pytest.raises(ValueError, match="config field 'attention' is 'dense'"):
         TrainerConfig(attention="dense")
+
+
+def test_shared_hand_off_refuses_bad_requests_over_grpc(tmp_path: Path) -> None:
+    """HandOffSharedGradients on a live server: a trainer without the folder, a request without its
+    ids, a path instead of a file name, a file never written and a job that is not running each get a
+    status and one sentence; the server goes on serving."""
+    from services.trainer import handoff
+    from services.trainer.handoff import SharedHandoff
+
+    def call(client: TrainerClient, **fields: object) -> None:
+        client._call(client._stub.HandOffSharedGradients, trainer_pb2.SharedGradients(**fields))  # type: ignore[arg-type]
+
+    core = CoreTrainer()
+    plain = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(core))],
+                         service_names=[TRAINER_SERVICE]).start()
+    shm = SharedHandoff(tmp_path)
+    shared = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                       TrainerServicer(CoreTrainer(), handoff=shm))],
+                          service_names=[TRAINER_SERVICE]).start()
+    a = TrainerClient(f"127.0.0.1:{plain.port}", timeout_s=30)
+    b = TrainerClient(f"127.0.0.1:{shared.port}", timeout_s=30)
+    try:
+        with pytest.raises(errors.FailedPrecondition, match="no shared-memory hand-off folder"):
+            call(a, replica_id="r", step=0, file="x.grad")
+        with pytest.raises(errors.InvalidArgument, match="needs replica_id"):
+            call(b, step=0, file="x.grad")
+        with pytest.raises(errors.InvalidArgument, match="not a plain file name"):
+            call(b, replica_id="r", step=0, file="../../etc/passwd")
+        with pytest.raises(errors.InvalidArgument, match="cannot be opened"):
+            call(b, replica_id="r", step=0, file="never-written.grad")
+        written = handoff.write(str(shm.dir), shm.token, "r", {"w": torch.ones(3)})
+        assert written is not None
+        with pytest.raises(errors.FailedPrecondition, match="no job"):
+            call(b, replica_id="r", step=0, file=written[0],
+                 tensors=[trainer_pb2.SharedTensor(name="w", dtype="float32", shape=[3], offset_bytes=0)])
+        assert [p.name for p in shm.dir.iterdir()] == [".token"]  # refused, and unlinked all the same
+        assert a.status().phase == b.status().phase == "idle"
+    finally:
+        a.close()
+        b.close()
+        plain.stop(0)
+        shared.stop(0)
+        shm.close()
+
