@@ -18,7 +18,8 @@ knob is a field of the job's ``[job.algorithm]`` section (``Algorithm``):
    clip-higher, optional truncated importance sampling, k3 KL and an entropy bonus
    (``ObjectiveConfig``, ``policy_loss``; below).
 4. **The update** (the trainer, once per step, after the all-reduce of the summed gradients):
-   AdamW with ``learning_rate`` (ramped up over ``lr_warmup_steps``) and ``weight_decay``, global
+   AdamW with ``learning_rate`` (ramped up over ``lr_warmup_steps``, then constant or on a cosine
+   down to ``lr_min_ratio`` of it at the last step: ``lr_schedule``) and ``weight_decay``, global
    grad-norm clip ``max_grad_norm``
    (``services/trainer/learner.py`` ``Updater.apply``).
 
@@ -102,6 +103,11 @@ class Algorithm:
     ``learning_rate * (s + 1) / (N + 1)``, later steps with ``learning_rate`` (0: full from the first
     step). Adam's first update moves every parameter by about the learning rate, whatever the size
     of its gradient."""
+    lr_schedule: str = "constant"
+    """After the warmup: ``"constant"`` or ``"cosine"`` (a half cosine from ``learning_rate`` down to
+    ``learning_rate * lr_min_ratio`` at the job's last step; a 30-step job decays over 30 steps)."""
+    lr_min_ratio: float = 0.1
+    """The cosine schedule's floor, as a fraction of ``learning_rate``, in [0, 1]."""
     clip_low: float = 0.2
     """Lower clip range of the policy ratio (1 - clip_low)."""
     clip_high: float = 0.28
@@ -140,6 +146,10 @@ class Algorithm:
             raise ValueError(f"algorithm.learning_rate is {self.learning_rate}; expected a finite number > 0")
         if not (isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0):
             raise ValueError(f"algorithm.lr_warmup_steps is {self.lr_warmup_steps}; expected a whole number >= 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"algorithm.lr_schedule is {self.lr_schedule!r}; expected constant or cosine")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"algorithm.lr_min_ratio is {self.lr_min_ratio}; expected in [0, 1]")
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"algorithm.clip_low is {self.clip_low}; expected in [0, 1)")
         for name in ("clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm"):

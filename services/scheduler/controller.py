@@ -91,7 +91,8 @@ def trainer_optim(a: Algorithm) -> Any:
     from protos.gyre.v1 import trainer_pb2
 
     return trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
-                                   warmup_steps=a.lr_warmup_steps)
+                                   warmup_steps=a.lr_warmup_steps, schedule=a.lr_schedule,
+                                   min_lr_ratio=a.lr_min_ratio)
 
 
 class JobController:

@@ -244,6 +244,10 @@ class Learner:
         return {**self.grads_by_name(), STATS_KEY: self.stats.vector(), EXTREMA_KEY: self.stats.extrema()}
 
 
+LR_SCHEDULES = ("constant", "cosine")
+"""What the learning rate does after its warmup (``OptimConfig.schedule``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """AdamW hyper-parameters of the core's optimizer."""
@@ -260,6 +264,13 @@ class OptimConfig:
     """Clip the global gradient norm to this (0 = no clipping)."""
     warmup_steps: int = 0
     """Linear learning-rate warmup: step s < N uses lr * (s + 1) / (N + 1) (0 = none)."""
+    schedule: str = "constant"
+    """After the warmup: ``"constant"`` (lr) or ``"cosine"`` (a half cosine from lr at step N down to
+    lr * min_lr_ratio at step total_steps - 1, the job's last)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule's floor as a fraction of lr."""
+    total_steps: int = 1
+    """The job's step count, the cosine's horizon (the trainer sets it from the job's num_steps)."""
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -270,11 +281,26 @@ class OptimConfig:
             raise ValueError("weight_decay and max_grad_norm must be >= 0 and eps > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr schedule {self.schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of the update that ends job step ``step`` (0-based)."""
+        """The learning rate of the update that ends job step ``step`` (0-based; < 0: the full rate)."""
         n = self.warmup_steps
-        return self.lr * (step + 1) / (n + 1) if 0 <= step < n else self.lr
+        if step < 0:
+            return self.lr
+        if step < n:
+            return self.lr * (step + 1) / (n + 1)
+        if self.schedule == "constant":
+            return self.lr
+        span = self.total_steps - 1 - n
+        progress = min(1.0, (step - n) / span) if span > 0 else 0.0
+        r = self.min_lr_ratio
+        return self.lr * (r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 class Updater:

@@ -118,3 +118,54 @@ def test_the_learning_rate_warms_up_over_the_jobs_first_steps() -> None:
     from tests.service.scheduler_support import job_spec
 
     assert spec_from_proto(spec_to_proto(job_spec("w", algorithm=a)), "w").algorithm.lr_warmup_steps == 3
+
+
+def test_the_cosine_schedule_falls_to_its_floor_at_the_jobs_last_step() -> None:
+    """``lr_schedule = "cosine"`` reaches the trainer through the job API with the job's step count
+    as its horizon: full rate after the warmup, ``lr * lr_min_ratio`` at the last step, monotone in
+    between; the update's size follows it."""
+    import math
+
+    import torch
+
+    from protos.gyre.v1 import trainer_pb2
+    from services.scheduler.controller import trainer_objective, trainer_optim
+    from services.scheduler.convert import spec_from_proto, spec_to_proto
+    from services.trainer.learner import Updater
+    from services.trainer.wire import job_from_proto, job_to_proto
+    from tests.service.scheduler_support import job_spec
+
+    a = Algorithm(learning_rate=1e-2, lr_warmup_steps=1, lr_schedule="cosine", lr_min_ratio=0.2)
+    msg = trainer_pb2.TrainerJobSpec(job_id="c", source="synthetic", num_steps=6, objective=trainer_objective(a),
+                                     optim=trainer_optim(a))
+    optim = job_from_proto(msg).optim
+    assert (optim.schedule, optim.min_lr_ratio, optim.total_steps) == ("cosine", 0.2, 6)
+    assert job_from_proto(job_to_proto(job_from_proto(msg))).optim == optim
+    lrs = [optim.lr_at(s) for s in range(6)]
+    # step 0: warmup (half); steps 1..5: cosine from 1e-2 down to 2e-3, the midpoint at step 3
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-2 * (0.2 + 0.8 * (1 + math.cos(math.pi / 4)) / 2), 6e-3,
+                                 1e-2 * (0.2 + 0.8 * (1 + math.cos(3 * math.pi / 4)) / 2), 2e-3])
+    assert optim.lr_at(9) == pytest.approx(2e-3)  # past the horizon (a longer resumed job): the floor
+    model = torch.nn.Linear(2, 1, bias=False)
+    before = model.weight.detach().clone()
+    model.weight.grad = torch.tensor([[1.0, -1.0]])
+    Updater(model, optim).apply(5)
+    assert float((model.weight.detach() - before).abs().max()) == pytest.approx(2e-3, rel=1e-3)
+    # the default stays constant; a 1-step cosine job updates at the full rate
+    assert [job_from_proto(trainer_pb2.TrainerJobSpec(job_id="c", source="synthetic", num_steps=4)).optim.lr_at(s)
+            for s in range(4)] == [1e-5] * 4
+    one = Algorithm(learning_rate=1e-2, lr_schedule="cosine")
+    assert job_from_proto(trainer_pb2.TrainerJobSpec(job_id="c", source="synthetic", num_steps=1,
+                                                     optim=trainer_optim(one))).optim.lr_at(0) == 1e-2
+    for bad, why in [({"lr_schedule": "linear"}, "lr_schedule"), ({"lr_min_ratio": 1.5}, "lr_min_ratio")]:
+        with pytest.raises(ValueError, match=why):
+            Algorithm(**bad)  # type: ignore[arg-type]
+    # over the job API: the fields round-trip; an unset schedule and an absent floor read as the defaults
+    back = spec_from_proto(spec_to_proto(job_spec("c", algorithm=a)), "c").algorithm
+    assert (back.lr_schedule, back.lr_min_ratio) == ("cosine", 0.2)
+    zero_floor = Algorithm(lr_schedule="cosine", lr_min_ratio=0.0)
+    assert spec_from_proto(spec_to_proto(job_spec("c", algorithm=zero_floor)), "c").algorithm.lr_min_ratio == 0.0
+    from protos.gyre.v1 import scheduler_pb2
+
+    old_client = algorithm_from_proto(scheduler_pb2.Algorithm(learning_rate=1e-3))
+    assert (old_client.lr_schedule, old_client.lr_min_ratio) == ("constant", 0.1)
