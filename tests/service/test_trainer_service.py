@@ -31,6 +31,7 @@ from services.trainer.client import Interrupted, TrainerClient
 from services.trainer.core import CoreTrainer
 from services.trainer.job import TrainerJob
 from services.trainer.learner import OptimConfig
+from tests.support.waiting import wait_until
 from services.trainer.main import TRAINER_SERVICE
 from services.trainer.model import build_model
 from services.trainer.servicer import TrainerServicer
@@ -130,6 +131,9 @@ def test_job_trains_from_trajectory_and_pushes_weights(trainer: Trainer, redis_u
         for name, t in published.items():
             assert torch.equal(engine_state[name].cpu(), t), name
         assert report.metrics["publish_mb"] > 0
+        # the report is out before the core settles the step with the trajectory service and ends
+        # the job: wait for the job's end, then read its status
+        wait_until(lambda: trainer.client.status().phase == "done", 60, "the trainer job to end")
         status = trainer.client.status()
         assert status.phase == "done" and status.weight_version == 1 and status.last_metrics["loss"] == m["loss"]
     finally:
