@@ -248,7 +248,7 @@ class CoreTrainer:
             if stats_vec is not None and extrema is not None:
                 learner.stats.merge(stats_vec, extrema)
         handed = [x for x in self.membership.members() if x["step"] == step and x["left"]]
-        retrained = self._retrain_lost(st, step, slog)
+        retrained, handed_back = self._retrain_lost(st, step, slog)
 
         self._set_phase("updating")
         grad_norm = st.updater.apply(step)
@@ -266,7 +266,7 @@ class CoreTrainer:
                        tokens_per_s=metrics.get("tokens", 0.0) / step_s if step_s > 0 else 0.0,
                        compute_s=compute_s, train_tokens_per_s=own_tokens / compute_s if compute_s > 0 else 0.0,
                        weight_version=float(new_version), publish_s=publish.engines_s,
-                       evicted=float(evicted), retrained=float(retrained),
+                       evicted=float(evicted), retrained=float(retrained), handed_back=float(handed_back),
                        publish_mb=publish.num_bytes / 1e6)
         m.record_step(metrics)
         m.REDUCE_TIME.observe(reduce_s)
@@ -301,26 +301,35 @@ class CoreTrainer:
                  train_tok_s=round(metrics["train_tokens_per_s"], 1), rss_mb=rss_bytes() >> 20)
         return report
 
-    def _retrain_lost(self, st: _JobState, step: int, slog: Any) -> int:
-        """Train again, here, what evicted replicas (dead, or silent past member_timeout_s) had
-        acknowledged: their gradient sums died with them. Gradients add up, so the core's share
-        after the all-reduce plus these batches is the same update. Returns micro-batches retrained."""
+    def _retrain_lost(self, st: _JobState, step: int, slog: Any) -> tuple[int, int]:
+        """Train here what left the step untrained: the micro-batches evicted replicas (dead, or
+        silent past member_timeout_s) had acknowledged -- their gradient sums died with them -- and
+        those a leaving replica handed back after giving up their forward (it may have done so
+        after this core found the queue dry). Gradients add up, so the core's share after the
+        all-reduce plus these batches is the same update. Returns the micro-batches trained here
+        (those of evicted replicas, those handed back; a handed-back batch the core met in its own
+        loop was counted there)."""
         assert self.membership is not None
         lost = self.membership.evicted(step)
-        if not lost:
-            return 0
-        reopen = getattr(st.source, "reopen", None)
-        if reopen is None:
-            log.error("evicted replicas' micro-batches are lost: this source cannot reopen them",
-                      job_id=st.job.job_id, step=step, replicas=lost)
-            return 0
-        reopened = int(reopen(step, lost))
+        reopened = 0
+        if lost:
+            reopen = getattr(st.source, "reopen", None)
+            if reopen is None:
+                log.error("evicted replicas' micro-batches are lost: this source cannot reopen them",
+                          job_id=st.job.job_id, step=step, replicas=lost)
+            else:
+                reopened = int(reopen(step, lost))
         trained = 0
         while (d := st.source.next(step)) is not None:
             trained += train_delivery(st.learner, d, step=step, journal=st.journal, log=slog)
-        log.warning("retrained the micro-batches of evicted replicas", job_id=st.job.job_id, step=step,
-                    replicas=lost, reopened=reopened, retrained=trained)
-        return trained
+        retrained, handed_back = min(trained, reopened), max(0, trained - reopened)
+        if lost:
+            log.warning("retrained the micro-batches of evicted replicas", job_id=st.job.job_id, step=step,
+                        replicas=lost, reopened=reopened, retrained=retrained)
+        if handed_back:
+            log.info("trained micro-batches handed back by leaving replicas", job_id=st.job.job_id, step=step,
+                     handed_back=handed_back)
+        return retrained, handed_back
 
     def _reduce(self, seal: Seal, learner: Learner) -> float:
         if seal.world_size <= 1:

@@ -20,12 +20,16 @@ class Delivery:
 
     ``ack()`` is called after the forward, right before the backward; it returns False when the
     queue refuses it (the batch was meanwhile handed to another consumer): discard the result.
+    ``give_back()`` returns an unacknowledged batch to the queue at once, for another consumer (a
+    replica that gave up its forward); None where the queue does that by itself (the trajectory
+    service, when the consumer's stream is cancelled).
     """
 
     batch: PackedBatchLike
     ack: Callable[[], bool]
     reject: Callable[[str], None]
     batch_id: str = ""
+    give_back: Callable[[], None] | None = None
 
 
 class BatchSource(Protocol):

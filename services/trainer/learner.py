@@ -16,9 +16,11 @@ counts and the staleness histogram into one float64 vector appended to the gradi
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,6 +105,11 @@ def staleness_counts(values: np.ndarray) -> np.ndarray:
     return np.bincount(np.clip(bucket, 0, len(STALENESS_EDGES) - 1), minlength=len(STALENESS_EDGES)).astype(float)
 
 
+class MicroBatchAborted(Exception):
+    """A micro-batch's forward given up before its commit: the learner's abort event was set (the
+    replica's cell is wanted back). Nothing was added to the gradient sums or the statistics."""
+
+
 class Learner:
     """Forward/backward over micro-batches with gradient-sum accumulation (no optimizer)."""
 
@@ -118,6 +125,36 @@ class Learner:
         self.version = 0
         self.stats = StepStats()
         self.compute_s = 0.0
+        self._abort: threading.Event | None = None
+        self._armed = False  # the abort may cut the running forward (until the batch's commit)
+        self._hooked = False
+
+    def abort_on(self, event: threading.Event | None) -> None:
+        """Give up a micro-batch's forward at its next decoder layer once ``event`` is set (a replica
+        whose cell is wanted back): ``train`` raises ``MicroBatchAborted``. Only before the batch's
+        commit: once acknowledged, a batch is trained to its end (a backward, where checkpointed
+        layers run their forward again, is never cut). None: never abort."""
+        self._abort = event
+        if event is None or self._hooked:
+            return
+
+        def check(module: torch.nn.Module, args: Any) -> None:
+            abort = self._abort
+            if self._armed and abort is not None and abort.is_set():
+                raise MicroBatchAborted("micro-batch given up: the replica's cell is wanted back")
+
+        for mod in self.model.modules():
+            if isinstance(mod, torch.nn.ModuleList):
+                for layer in mod:
+                    layer.register_forward_pre_hook(check)
+        self._hooked = True
+
+    def _committing(self, commit: Callable[[], bool] | None) -> Callable[[], bool]:
+        """``commit`` that first disarms the abort (the batch is trained to its end once acked)."""
+        def run() -> bool:
+            self._armed = False
+            return commit() if commit is not None else True
+        return run
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -141,12 +178,24 @@ class Learner:
 
         ``commit`` (the work queue's ack) runs after the forward and before the backward: a batch
         the queue has meanwhile handed to another consumer (a late ack is refused) is discarded
-        without ever touching the gradient sums or the statistics.
+        without ever touching the gradient sums or the statistics. Raises ``MicroBatchAborted``
+        when the ``abort_on`` event is set before the commit (the forward stops at its next layer).
         """
         self.check(batch)
         start = time.perf_counter()
         t = TreeTensors.from_batch(batch, self.policy.device)
         self.model.train()
+        self._armed = self._abort is not None
+        commit = self._committing(commit)
+        try:
+            return self._train(batch, t, commit, start)
+        except MicroBatchAborted:
+            self.compute_s += time.perf_counter() - start
+            raise
+        finally:
+            self._armed = False
+
+    def _train(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool], start: float) -> bool:
         device_type = self.policy.device.type
         if self.policy.chunked(t):
             return self._train_chunked(batch, t, commit, start)
@@ -158,7 +207,7 @@ class Learner:
                     ref, _ = self.ref_policy.target_logprobs(t)
         out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
                           entropy=ent, ref_logprobs=ref, fresh=t.weight_version == self.version)
-        if commit is not None and not commit():
+        if not commit():
             self.compute_s += time.perf_counter() - start
             return False
         out.loss.backward()

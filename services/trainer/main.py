@@ -101,7 +101,7 @@ def run_replica(cfg: TrainerConfig) -> int:
     with _core_client(cfg) as core:
         replica = Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
                           device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop)
-        # SIGTERM = give the cell back now: leave at the next micro-batch boundary (hand-off).
+        # SIGTERM = give the cell back now: the running forward stops at its next layer (hand-off).
         signal.signal(signal.SIGTERM, lambda *_: replica.interrupt())
         signal.signal(signal.SIGINT, lambda *_: replica.interrupt())
         replica.run()

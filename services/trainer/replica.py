@@ -15,9 +15,10 @@ While it is a member, a thread of its own calls ReplicaAlive every ticket.heartb
 the core evicts a replica whose heartbeats stop (its process or host died) without waiting out
 member_timeout_s, wherever the replica runs.
 
-SIGTERM (the orchestrator wants the cell now): finish the current micro-batch, then hand the
-gradient sum accumulated so far to the core (HandOffGradients) - or just LeaveStep if it trained
-nothing - and exit. Once the step is sealed the replica completes the all-reduce first (the
+SIGTERM (the orchestrator wants the cell now): give the current micro-batch's forward up at its
+next decoder layer and hand the batch back to the queue (one already acknowledged is finished),
+then hand the gradient sum accumulated so far to the core (HandOffGradients) - or just LeaveStep
+if it trained nothing - and exit. Once the step is sealed the replica completes the all-reduce first (the
 others are waiting for it), then exits.
 """
 
@@ -82,8 +83,9 @@ class Replica:
         self._interrupted_in = ""
 
     def interrupt(self) -> None:
-        """Give the cell back now (SIGTERM): leave at the next micro-batch boundary, also when
-        waiting for batches that have not been produced yet (the rollouts may need this cell)."""
+        """Give the cell back now (SIGTERM): leave at once, also when waiting for batches that have not
+        been produced yet (the rollouts may need this cell); a micro-batch's forward stops at its next
+        decoder layer and the batch goes back to the queue (one already acknowledged is finished)."""
         if self._interrupted_at is None:
             self._interrupted_at = time.perf_counter()
             self._interrupted_in = self._phase
@@ -143,6 +145,8 @@ class Replica:
                     self._source = None
                 self._learner = build_learner(job, self.device)
                 self._job = job
+            # a release gives the running forward up at its next layer (never after its ack)
+            self._learner.abort_on(self.stop_event)
             if self._source is None:
                 self._source = open_source(job.source, store_host=ticket.store_host, store_port=ticket.store_port,
                                            job_id=job.job_id, consumer_id=self.replica_id,

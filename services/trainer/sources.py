@@ -108,7 +108,8 @@ class StoreQueueSource:
 
     Test hook (deterministic join points): if the store holds ``<prefix>/hold/<step>`` = k, indices
     >= k of that step are handed out only once ``<prefix>/release/<step>`` is set; each consumer
-    that blocks there adds 1 to ``<prefix>/waiting/<step>``. Acks count per consumer under
+    that blocks there adds 1 to ``<prefix>/waiting/<step>``. ``k0,k1,...``: indices >= k_i also
+    wait for ``<prefix>/release/<step>/<i>`` (i >= 1), a second gate for a later point of the step. Acks count per consumer under
     ``<prefix>/acked/<step>/<consumer_id>``.
     """
 
@@ -120,6 +121,7 @@ class StoreQueueSource:
         self.prefix = prefix
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._cache: dict[int, Any] = {}
+        self._redo_seen: dict[int, int] = {}  # per step: redo slots below this are claimed
 
     @classmethod
     def connect(cls, spec: SyntheticSpec, *, host: str, port: int, prefix: str,
@@ -142,24 +144,55 @@ class StoreQueueSource:
             idx = int(self.store.add(f"{self.prefix}/next/{step}", 1)) - 1
             if idx >= len(batches):
                 return None
-        self.store.append(f"{self.prefix}/taken/{step}/{self.consumer_id}", f"{idx},")
-        hold = f"{self.prefix}/hold/{step}"
-        if self.store.check([hold]) and idx >= int(self.store.get(hold)):
-            self.store.add(f"{self.prefix}/waiting/{step}", 1)
-            self.store.wait([f"{self.prefix}/release/{step}"], self.timeout)
+        self.store.append(self._taken_key(step), f"{idx},")
+        self._hold(step, idx)
         key = f"{self.prefix}/acked/{step}/{self.consumer_id}"
         return Delivery(batch=batches[idx], ack=lambda: self.store.add(key, 1) > 0,
                         reject=lambda why: self.store.add(f"{self.prefix}/rejected/{step}", 1),
-                        batch_id=f"{step}/{idx}")
+                        batch_id=f"{step}/{idx}", give_back=lambda: self._give_back(step, idx))
+
+    def _hold(self, step: int, idx: int) -> None:
+        """The test hook: wait at each of ``step``'s hold thresholds ``idx`` reached."""
+        hold = f"{self.prefix}/hold/{step}"
+        if not self.store.check([hold]):
+            return
+        for i, threshold in enumerate(int(x) for x in self.store.get(hold).decode().split(",") if x):
+            release = f"{self.prefix}/release/{step}" + (f"/{i}" if i else "")
+            if idx >= threshold and not self.store.check([release]):
+                self.store.add(f"{self.prefix}/waiting/{step}", 1)
+                self.store.wait([release], self.timeout)
+
+    def _taken_key(self, step: int) -> str:
+        return f"{self.prefix}/taken/{step}/{self.consumer_id}"
+
+    def _push_redo(self, step: int, idx: int) -> None:
+        """Queue index ``idx`` of ``step`` to be handed out again (to exactly one consumer)."""
+        n = int(self.store.add(f"{self.prefix}/redo_n/{step}", 1)) - 1
+        self.store.set(f"{self.prefix}/redo/{step}/{n}", str(idx))
 
     def _redo(self, step: int) -> int | None:
-        """The next index of ``step`` reopened by ``reopen`` (None when there is none left)."""
-        key = f"{self.prefix}/redo/{step}"
-        if not self.store.check([key]):
-            return None
-        redo = [int(x) for x in self.store.get(key).decode().split(",") if x]
-        j = int(self.store.add(f"{self.prefix}/redo_next/{step}", 1)) - 1
-        return redo[j] if j < len(redo) else None
+        """The next index of ``step`` handed back (``give_back``) or reopened (``reopen``) that no
+        consumer has claimed yet; None when there is none. Each slot is claimed by the first
+        consumer whose ``add`` on its claim counter returns 1."""
+        n = int(self.store.add(f"{self.prefix}/redo_n/{step}", 0))
+        k = self._redo_seen.get(step, 0)
+        while k < n:
+            claimed = int(self.store.add(f"{self.prefix}/redo_claim/{step}/{k}", 1)) == 1
+            k += 1
+            self._redo_seen[step] = k  # a claimed slot stays claimed: never asked again
+            if claimed:
+                return int(self.store.get(f"{self.prefix}/redo/{step}/{k - 1}"))
+        return None
+
+    def _give_back(self, step: int, idx: int) -> None:
+        """This consumer gave index ``idx`` up before its ack: off its taken list (a later eviction
+        must not reopen it twice), onto the redo list for whoever asks next."""
+        key = self._taken_key(step)
+        taken = [x for x in self.store.get(key).decode().split(",") if x] if self.store.check([key]) else []
+        if str(idx) in taken:
+            taken.remove(str(idx))
+        self.store.set(key, "".join(f"{x}," for x in taken))  # only this consumer writes its list
+        self._push_redo(step, idx)
 
     def reopen(self, step: int, consumers: list[str]) -> int:
         """Hand out again every index of ``step`` the dead ``consumers`` took (acknowledged or
@@ -169,7 +202,8 @@ class StoreQueueSource:
             key = f"{self.prefix}/taken/{step}/{c}"
             if self.store.check([key]):
                 idx += [x for x in self.store.get(key).decode().split(",") if x]
-        self.store.set(f"{self.prefix}/redo/{step}", ",".join(idx))
+        for x in idx:
+            self._push_redo(step, int(x))
         return len(idx)
 
     def close(self) -> None:
@@ -196,11 +230,14 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
     """Train one handed-out micro-batch on ``learner`` (core and replicas alike); True if trained.
 
     Skips (acks) a batch the step journal says was already trained (replayed after a restart);
-    journals it before the ack (``journal.journaled_ack``); refuses a malformed one.
+    journals it before the ack (``journal.journaled_ack``); refuses a malformed one. A forward the
+    learner gave up (``MicroBatchAborted``: the replica's cell is wanted back) hands the batch back
+    to the queue unacknowledged.
     """
     from services.common.errors import FailedPrecondition, InvalidArgument
     from services.trainer import metrics as m
     from services.trainer.journal import journaled_ack
+    from services.trainer.learner import MicroBatchAborted
 
     if journal is not None and journal.committed(step, d.batch_id):
         d.ack()
@@ -211,6 +248,12 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
         if not learner.train(d.batch, commit=journaled_ack(journal, step, d.batch_id, d.batch, d.ack)):
             log.warning("micro-batch re-handed before its ack; result discarded", batch_id=d.batch_id, step=step)
             return False
+    except MicroBatchAborted:
+        if d.give_back is not None:
+            d.give_back()
+        log.info("micro-batch given up mid-forward; handed back", batch_id=d.batch_id, step=step,
+                 seconds=round(time.perf_counter() - t0, 3))
+        return False
     except (InvalidArgument, FailedPrecondition) as exc:
         # A malformed micro-batch is refused (never trained); the step continues without it.
         m.REJECTED.labels(reason=type(exc).__name__).inc()

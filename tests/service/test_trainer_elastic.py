@@ -149,14 +149,16 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
         assert a_took
         a_replica.proc.kill()
         assert replicas.wait_exit("cell-a", 60)
+        # B's stop flag is set while it is blocked on a batch (the signal interrupts its wait): once
+        # released, it gives that batch's forward up at once and hands the batch back unacknowledged
         b_proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # let B's handler set its stop flag while it is blocked
         store.set(f"{prefix}/release/3", "1")
         r3 = client.wait_step(3, timeout_s=60)  # A's death is seen at once: no member_timeout_s wait
         assert r3.finished and r3.metrics["world_size"] == 1 and r3.metrics["handed_off"] == 1
         assert r3.metrics["evicted"] == 1 and r3.metrics["retrained"] == len(a_took)
-        assert _count(store, f"{prefix}/acked/3/rep-b") >= 1
         assert b_proc.wait(timeout=60) == 0
+        b_log = (tmp_path / "rep-b.log").read_text()
+        assert "micro-batch given up mid-forward; handed back" in b_log and "batch_id=3/" in b_log
 
         # Step 4: C joins, takes a batch and dies; only its silence tells the core.
         wait_until(lambda: _count(store, f"{prefix}/waiting/4") >= 1, 90, "core to block in step 4")
@@ -198,7 +200,8 @@ class _Pool:
 
 
 @contextmanager
-def _pool_core(tmp_path: Path, job_id: str, handoff: SharedHandoff | None = None) -> Iterator[_Pool]:
+def _pool_core(tmp_path: Path, job_id: str, handoff: SharedHandoff | None = None,
+               hold: str = "0") -> Iterator[_Pool]:
     """A core with a pool of one warm replica process, running a 2-step job whose core blocks in
     step 1 (the synthetic queue's hold) until the test is done; everything stopped afterwards."""
     torch.set_num_threads(1)
@@ -213,7 +216,7 @@ def _pool_core(tmp_path: Path, job_id: str, handoff: SharedHandoff | None = None
     client = TrainerClient(address)
     store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)
     prefix = f"gyre/{job_id}/synthetic"
-    store.set(f"{prefix}/hold/1", "0")
+    store.set(f"{prefix}/hold/1", hold)
     try:
         assert replicas.wait_ready(120), "the pool process did not warm up"
         [pid] = replicas.warm_pids()
@@ -241,13 +244,18 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
     shm = SharedHandoff(tmp_path)
     via_shm = HANDOFFS.labels(via="shared_memory")
     before = via_shm._value.get()
-    with _pool_core(tmp_path, "pool", handoff=shm) as pool:
+    with _pool_core(tmp_path, "pool", handoff=shm, hold="0,2") as pool:
         replicas, client, store, prefix, pid = pool.replicas, pool.client, pool.store, pool.prefix, pool.pid
         a = client.add_replica("cell-a", switch_id="s1", wait_s=120)
         assert (a.pid, a.step) == (pid, 1)
         wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 2, 90, "replica A to block in step 1")
-        # the cell is given back while A waits in the store (the test hook's hold, where no signal
-        # handler runs): once the hold opens, A trains that batch, hands its gradient off and is free
+        # the first gate opens: the core and A train one batch each and block at the second one
+        store.set(f"{prefix}/release/1", "1")
+        wait_until(lambda: _count(store, f"{prefix}/waiting/1") >= 4, 90, "core and A at the second gate")
+        assert _count(store, f"{prefix}/acked/1/{a.replica_id}") == 1
+        # the cell is given back while A waits in the store (the test hook's gate, where no signal
+        # handler runs): once the gate opens, A gives that batch's forward up, hands it back and
+        # hands the gradient of the one it trained off
         signalled = threading.Event()
         terminate = replicas.terminate
         replicas.terminate = lambda cell: (terminate(cell), signalled.set())  # type: ignore[method-assign]
@@ -256,7 +264,7 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
             "r", client.release_replica(cell_id="cell-a", wait_s=60)))
         releasing.start()
         assert signalled.wait(60)
-        store.set(f"{prefix}/release/1", "1")
+        store.set(f"{prefix}/release/1/1", "1")
         releasing.join(90)
         released = out["r"]
         assert released.released and released.replica_id == a.replica_id  # type: ignore[attr-defined]
@@ -275,6 +283,7 @@ def test_a_released_replica_process_goes_back_to_the_pool(tmp_path: Path) -> Non
         assert pid in replicas.warm_pids()
         log = (tmp_path / "replica-warm.log").read_text()
         assert log.count("warm replica assigned") == 2
+        assert "micro-batch given up mid-forward; handed back" in log
     assert replicas.warm_pids() == []
     shm.close()
 

@@ -179,3 +179,62 @@ def test_a_kl_anchored_to_the_initial_weights_holds_on_policy(batch: PackedBatch
     learner.begin_step(3, 0)
     assert learner.train(batch)
     assert learner.stats.sums["kl"] < before
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_released_replica_gives_its_forward_up_at_the_next_layer(batch: PackedBatch, chunked: bool) -> None:
+    """``abort_on``: once the event is set, the running forward stops at its next decoder layer
+    (``MicroBatchAborted``), before its commit, leaving no gradient and no statistics; set during the
+    commit (the batch is acknowledged) it cuts nothing: the backward, which runs checkpointed layers'
+    forward again, completes to the same sums. ``train_delivery`` hands a given-up batch back."""
+    import threading
+
+    from services.common.logging import get_logger
+    from services.trainer.delivery import Delivery
+    from services.trainer.learner import MicroBatchAborted
+    from services.trainer.sources import train_delivery
+
+    job = TrainerJob(job_id="j", model="tiny", source="synthetic", attention="blocks", activation_checkpointing=True,
+                     chunk_tokens=64 if chunked else 0)
+    learner = build_learner(job, "cpu")
+    learner.policy.sparse_block_tokens = 32
+    learner.policy.chunk_tokens = 64 if chunked else 0
+    assert learner.policy.chunked(TreeTensors.from_batch(batch)) == chunked
+    reference = build_learner(job, "cpu")
+    reference.model.load_state_dict(learner.model.state_dict())
+    reference.policy.sparse_block_tokens, reference.policy.chunk_tokens = 32, learner.policy.chunk_tokens
+    reference.begin_step(3, 0)
+    assert reference.train(batch)
+
+    release = threading.Event()
+    learner.abort_on(release)
+    layers = [m for m in learner.model.modules() if isinstance(m, torch.nn.ModuleList)][0]
+    seen: list[int] = []
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda mod, args, out, i=i: seen.append(i))
+    # the release arrives while the first layer runs: the second never starts
+    first = layers[0].register_forward_hook(lambda mod, args, out: release.set())
+    learner.begin_step(3, 0)
+    commits: list[bool] = []
+    with pytest.raises(MicroBatchAborted):
+        learner.train(batch, commit=lambda: commits.append(True) or True)
+    assert seen == [0] and commits == []
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in learner.params)  # type: ignore[union-attr]
+    assert learner.stats.counts["micro_batches"] == 0
+    first.remove()
+
+    # through train_delivery: the batch goes back to its queue, unacknowledged
+    given_back: list[str] = []
+    d = Delivery(batch=batch, ack=lambda: True, reject=lambda why: None, batch_id="3/0",
+                 give_back=lambda: given_back.append("3/0"))
+    assert not train_delivery(learner, d, step=3, journal=None, log=get_logger("test"))
+    assert given_back == ["3/0"]
+
+    # set during the commit: the acknowledged batch trains to its end, to the reference's sums
+    release.clear()
+    assert learner.train(batch, commit=lambda: release.set() or True)
+    assert learner.stats.counts["micro_batches"] == 1
+    for (name, p), q in zip(learner.model.named_parameters(), reference.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    learner.abort_on(None)  # a learner without an event never aborts
+    assert learner.train(batch)
