@@ -102,9 +102,13 @@ def main() -> None:
     out = ["# CellRole-switch latency (live stack)", "",
            f"`python -m bench.bench_switch{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`: `gyre run --mode "
            f"elastic --num-steps {args.steps}` on {model} (its run config's rollout cells + the trainer core, "
-           "2 CPU cores), once with `warm_replicas = 0` (every replica "
-           "a cold process that exits when its cell is given back) and once with a replica pool of 2 (processes "
-           "started ahead; a released one leaves its step and waits in the pool for the next cell). "
+           "2 CPU cores), " + (
+               "twice with a replica pool of 2 (processes started ahead; a released one leaves its step and "
+               "waits in the pool for the next cell): a leaving replica's gradient sum handed to the core through "
+               "shared memory, then streamed over gRPC (`shared_handoff = false`). " if args.handoff else
+               "once with `warm_replicas = 0` (every replica a cold process that exits when its cell is given "
+               "back) and once with a replica pool of 2 (processes started ahead; a released one leaves its step "
+               "and waits in the pool for the next cell). ") +
            "Durations from the job's "
            f"`switch_finished` events, phases from its `switch_phases` events. Total {time.perf_counter() - t0:.0f} s.",
            "", "| warm replicas | direction | switches | median s | p90 s | mean s | median per phase s |",
