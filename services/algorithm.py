@@ -87,6 +87,8 @@ if TYPE_CHECKING:
 LOSS_AGGREGATIONS = ("execution_mean",)
 KL_REFERENCES = ("behaviour", "initial")
 KL_ESTIMATORS = ("k3", "k2", "low_var_kl")
+LR_SCHEDULES = ("constant", "cosine")
+"""What the learning rate does after its warmup (``Algorithm.lr_schedule``, ``OptimConfig.schedule``)."""
 LOW_VAR_KL_CLAMP = 10.0
 DEFAULT_ADVANTAGE_EPS = 1e-6
 
@@ -146,8 +148,8 @@ class Algorithm:
             raise ValueError(f"algorithm.learning_rate is {self.learning_rate}; expected a finite number > 0")
         if not (isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0):
             raise ValueError(f"algorithm.lr_warmup_steps is {self.lr_warmup_steps}; expected a whole number >= 0")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"algorithm.lr_schedule is {self.lr_schedule!r}; expected constant or cosine")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"algorithm.lr_schedule is {self.lr_schedule!r}; expected one of {', '.join(LR_SCHEDULES)}")
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ValueError(f"algorithm.lr_min_ratio is {self.lr_min_ratio}; expected in [0, 1]")
         if not 0.0 <= self.clip_low < 1.0:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from services.trainer.batch import PackedBatchLike, staleness, validate_batch
-from services.algorithm import SUM_METRICS, ObjectiveConfig, policy_loss
+from services.algorithm import LR_SCHEDULES, SUM_METRICS, ObjectiveConfig, policy_loss
 from services.trainer.tree_forward import TreePolicy, TreeTensors
 
 # Staleness histogram buckets (versions behind): 0, 1, 2, 3, 4-7, 8+.
@@ -291,10 +291,6 @@ class Learner:
     def handoff_state(self) -> dict[str, torch.Tensor]:
         """Gradient sums plus the step statistics, for handing this replica's share to the core."""
         return {**self.grads_by_name(), STATS_KEY: self.stats.vector(), EXTREMA_KEY: self.stats.extrema()}
-
-
-LR_SCHEDULES = ("constant", "cosine")
-"""What the learning rate does after its warmup (``OptimConfig.schedule``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,8 @@ member_timeout_s, wherever the replica runs.
 SIGTERM (the orchestrator wants the cell now): give the current micro-batch's forward up at its
 next decoder layer and hand the batch back to the queue (one already acknowledged is finished),
 then hand the gradient sum accumulated so far to the core (HandOffGradients) - or just LeaveStep
-if it trained nothing - and exit. Once the step is sealed the replica completes the all-reduce first (the
-others are waiting for it), then exits.
+if it trained nothing - and exit. Once the step is sealed the replica completes the all-reduce
+first (the others are waiting for it), then exits.
 """
 
 from __future__ import annotations

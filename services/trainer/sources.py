@@ -109,8 +109,8 @@ class StoreQueueSource:
     Test hook (deterministic join points): if the store holds ``<prefix>/hold/<step>`` = k, indices
     >= k of that step are handed out only once ``<prefix>/release/<step>`` is set; each consumer
     that blocks there adds 1 to ``<prefix>/waiting/<step>``. ``k0,k1,...``: indices >= k_i also
-    wait for ``<prefix>/release/<step>/<i>`` (i >= 1), a second gate for a later point of the step. Acks count per consumer under
-    ``<prefix>/acked/<step>/<consumer_id>``.
+    wait for ``<prefix>/release/<step>/<i>`` (i >= 1), a second gate for a later point of the step.
+    Acks count per consumer under ``<prefix>/acked/<step>/<consumer_id>``.
     """
 
     def __init__(self, spec: SyntheticSpec, *, store: Any, prefix: str, consumer_id: str = "",
@@ -188,22 +188,22 @@ class StoreQueueSource:
         """This consumer gave index ``idx`` up before its ack: off its taken list (a later eviction
         must not reopen it twice), onto the redo list for whoever asks next."""
         key = self._taken_key(step)
-        taken = [x for x in self.store.get(key).decode().split(",") if x] if self.store.check([key]) else []
-        if str(idx) in taken:
-            taken.remove(str(idx))
+        taken = self._taken(key)
+        if idx in taken:
+            taken.remove(idx)
         self.store.set(key, "".join(f"{x}," for x in taken))  # only this consumer writes its list
         self._push_redo(step, idx)
+
+    def _taken(self, key: str) -> list[int]:
+        """The indices a ``taken`` list holds (empty when it was never written)."""
+        return [int(x) for x in self.store.get(key).decode().split(",") if x] if self.store.check([key]) else []
 
     def reopen(self, step: int, consumers: list[str]) -> int:
         """Hand out again every index of ``step`` the dead ``consumers`` took (acknowledged or
         not: their gradients died with them). Called by the core once the step's queue is dry."""
-        idx: list[str] = []
-        for c in consumers:
-            key = f"{self.prefix}/taken/{step}/{c}"
-            if self.store.check([key]):
-                idx += [x for x in self.store.get(key).decode().split(",") if x]
+        idx = [x for c in consumers for x in self._taken(f"{self.prefix}/taken/{step}/{c}")]
         for x in idx:
-            self._push_redo(step, int(x))
+            self._push_redo(step, x)
         return len(idx)
 
     def close(self) -> None:
