@@ -112,6 +112,7 @@ def target_main(reply_ucx: str) -> None:
     addresses = {k: kv_transport.make_receiver(k, on_state) for k in ("ucx", "tcp")}
     # the same UCX receiver without its receive pool: every state lands in freshly mapped memory
     addresses["ucx, fresh memory"] = kv_transport.make_receiver("ucx", on_state, pool_bytes=0)
+    addresses["ucx, one receive lane"] = kv_transport.make_receiver("ucx", on_state, lanes=1)
     print(json.dumps(addresses), flush=True)
     sys.stdin.read()  # the parent closes stdin when done
     engine.stop()
@@ -222,7 +223,7 @@ def bench_bandwidth(addresses: dict[str, str]) -> list[dict]:
                 "best_gib_s": nbytes / min(rest) / 2**30}
 
     rows = []
-    for name in ("ucx", "ucx, fresh memory", "tcp"):
+    for name in ("ucx", "ucx, one receive lane", "ucx, fresh memory", "tcp"):
         kind = name.split(",")[0]
         times = []
         for _ in range(1 + BANDWIDTH_REPEATS):
@@ -303,7 +304,10 @@ def render(tps: list[dict], mig: list[dict], bw: list[dict], total_s: float) -> 
                    f"**{r['median_gib_s'] / memcpy['median_gib_s']:.2f}x** | {r['best_gib_s']:.2f} | "
                    f"{r['best_gib_s'] / memcpy['best_gib_s']:.2f}x |")
     out += ["", "Target (UCX): >= 0.5x memcpy, best of 3; the median shows what a typical migration gets on "
-            "a host whose two cores other processes share. The receiver lands KV arrays in its receive pool "
+            "a host whose two cores other processes share. A UCX receiver spreads each state over "
+            "`GYRE_UCX_RECEIVE_LANES` receive lanes (default 2: ucxx workers, each with its own progress thread, "
+            "so two threads copy at once); `ucx, one receive lane` is a receiver with one (the transport before "
+            "the lanes). The receiver lands KV arrays in its receive pool "
             "(`kv_receive_pool_mb`: memory reused across migrations once the engine dropped the last state's "
             "arrays); `ucx, fresh memory` is the same receiver without it, paying a page fault per 4 KiB. The "
             "sender resends the same arrays. UCX uses worker-address endpoints (shared memory on one host); its "

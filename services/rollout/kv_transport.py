@@ -93,6 +93,12 @@ WATCH_INTERVAL_S = 0.2  # how often a UCX transfer's control connection is check
 # peer's transfer stalls until the sender's UCX budget (then it resends over TCP) and the
 # receiver's STALL_TIMEOUT_S drops the connection; neither process goes down.
 ENDPOINT_ERROR_HANDLING = os.environ.get("GYRE_UCX_ENDPOINT_ERROR_HANDLING", "0") == "1"
+# UCX receive lanes: a receiver spreads a state's arrays over this many ucxx workers, each with its
+# own progress thread. On one host a worker's rendezvous read is one thread's cross-memory copy
+# (about 0.4x memcpy); two workers copy on two cores at once (bench/results/rollout_engine.md).
+RECEIVE_LANES = int(os.environ.get("GYRE_UCX_RECEIVE_LANES", "2"))
+if RECEIVE_LANES < 1:
+    raise ValueError(f"GYRE_UCX_RECEIVE_LANES must be 1 or more, got {RECEIVE_LANES}")
 
 FALLBACKS = Counter(
     "gyre_rollout_migration_fallbacks_total",
@@ -103,6 +109,12 @@ FALLBACKS = Counter(
 TRANSFER_BYTES = Counter(
     "gyre_rollout_kv_transfer_bytes_total", "Migration payload bytes sent, by transport.", ["transport"],
     registry=REGISTRY,
+)
+
+LANE_BYTES = Counter(
+    "gyre_rollout_kv_lane_bytes_total",
+    "UCX migration bytes received, by receive lane (a ucxx worker with its own progress thread).",
+    ["lane"], registry=REGISTRY,
 )
 
 ABORTED = Counter(
@@ -390,6 +402,10 @@ class _Ucx:
         self._endpoints: dict[bytes, Any] = {}
         self.receiving = 0  # transfers with receives posted (changed on the loop thread only)
         self.worker_address: bytes = self.call(self._init(), timeout_s=30)
+        # receive lanes: (loop, receive coroutine, worker address); lane 0 is this context's worker
+        self.lanes: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], bytes]] = [
+            (self.loop, self.ucxx.recv, self.worker_address)]
+        self._lanes_lock = threading.Lock()
 
     @classmethod
     def get(cls) -> _Ucx:
@@ -413,36 +429,62 @@ class _Ucx:
             self._endpoints[address] = ep
         return ep
 
-    async def send(self, address: bytes, arrays: list[np.ndarray], tag: int) -> None:
-        ep = await self._endpoint(address)
-        await asyncio.gather(*(ep.send(a, tag=tag + i, force_tag=True)
+    def ensure_lanes(self, n: int) -> int:
+        """Start receive lanes up to ``n`` (each an extra ucxx context: its own worker, progress
+        thread and asyncio loop thread); returns how many there are. A lane that cannot start is
+        logged and the receiver goes on with fewer."""
+        with self._lanes_lock:
+            while len(self.lanes) < n:
+                try:
+                    self.lanes.append(_start_lane(len(self.lanes)))
+                except Exception as exc:  # deliberate: fewer lanes still carry every array
+                    log.warning("ucx receive lane unavailable", lanes=len(self.lanes),
+                                error=f"{type(exc).__name__}: {exc}")
+                    break
+            return len(self.lanes)
+
+    async def send(self, targets: list[bytes], arrays: list[np.ndarray], tag: int) -> None:
+        """Send ``arrays[i]`` as a message tagged ``tag + i`` to the worker at ``targets[i]``."""
+        eps = {address: await self._endpoint(address) for address in set(targets)}
+        await asyncio.gather(*(eps[targets[i]].send(a, tag=tag + i, force_tag=True)
                                for i, a in enumerate(arrays) if a.nbytes))
 
-    def drop_endpoint(self, address: bytes) -> None:
-        """Abort the endpoint to a peer that died: its pending sends fail (their buffers are
-        released) and the next transfer to that address makes a new one."""
+    def drop_endpoint(self, *addresses: bytes) -> None:
+        """Abort the endpoints to a peer that died: their pending sends fail (their buffers are
+        released) and the next transfer to those addresses makes new ones."""
         async def drop() -> None:
-            ep = self._endpoints.pop(address, None)
-            if ep is not None and not ep.closed:
-                ep.abort(period=10**9)
+            for address in addresses:
+                ep = self._endpoints.pop(address, None)
+                if ep is not None and not ep.closed:
+                    ep.abort(period=10**9)
 
         try:
             self.call(drop(), timeout_s=10)
         except Exception as exc:  # deliberate: a leaked endpoint is no reason to fail the caller
             log.warning("ucx endpoint abort failed", error=f"{type(exc).__name__}: {exc}")
 
-    def start_recv(self, arrays: list[np.ndarray], tag: int) -> _Posted:
-        """Post the tagged receives of ``arrays`` (tags ``tag + i``); wait with ``watch``."""
-        posted = _Posted(arrays, tag)
+    def start_recv(self, arrays: list[np.ndarray], tag: int, lanes: int = 1) -> _Posted:
+        """Post the tagged receives of ``arrays`` (tags ``tag + i``), spread over up to ``lanes``
+        receive lanes (``posted.lane[i]``: the lane of array ``i``; tell the sender
+        ``posted.workers``); wait with ``watch``."""
+        lanes = min(lanes, len(self.lanes))
+        posted = _Posted(arrays, tag, lane=lane_split(arrays, lanes),
+                         workers=[address for _, _, address in self.lanes[:lanes]])
 
         async def one(i: int, a: np.ndarray) -> None:
-            await self.ucxx.recv(a, tag=tag + i)
+            await self.lanes[posted.lane[i]][1](a, tag=tag + i)
             posted.done[i] = True
+
+        def post(i: int, a: np.ndarray) -> Any:  # on the array's lane's loop
+            loop = self.lanes[posted.lane[i]][0]
+            if loop is self.loop:
+                return one(i, a)
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(one(i, a), loop))
 
         async def every() -> None:
             self.receiving += 1
             try:
-                await asyncio.gather(*(one(i, a) for i, a in enumerate(arrays) if a.nbytes))
+                await asyncio.gather(*(post(i, a) for i, a in enumerate(arrays) if a.nbytes))
             finally:
                 self.receiving -= 1
 
@@ -454,13 +496,15 @@ class _Ucx:
         message from this worker to itself on each one's tag, so that their buffers (up to a
         whole state) are freed now instead of staying posted for good: ucxx cannot cancel one
         tagged receive, and without peer error handling nothing fails it."""
-        missing = [posted.tag + i for i, a in enumerate(posted.arrays) if a.nbytes and not posted.done[i]]
+        missing = [i for i, a in enumerate(posted.arrays) if a.nbytes and not posted.done[i]]
         if not missing:
             return
 
-        async def tombstones() -> None:
-            ep = await self._endpoint(self.worker_address)
-            await asyncio.gather(*(ep.send(np.zeros(1, np.uint8), tag=t, force_tag=True) for t in missing))
+        async def tombstones() -> None:  # each to the worker of the lane its receive is posted on
+            targets = [posted.workers[lane] for lane in posted.lane]
+            eps = {address: await self._endpoint(address) for address in {targets[i] for i in missing}}
+            await asyncio.gather(*(eps[targets[i]].send(np.zeros(1, np.uint8), tag=posted.tag + i, force_tag=True)
+                                   for i in missing))
 
         try:
             self.call(tombstones(), timeout_s=30)
@@ -469,12 +513,46 @@ class _Ucx:
                         error=f"{type(exc).__name__}: {exc}")
 
 
+def _start_lane(index: int) -> tuple[asyncio.AbstractEventLoop, Callable[..., Any], bytes]:
+    """A receive lane: a ucxx context of its own (worker and progress thread) driven by its own
+    asyncio loop thread; returns (loop, its receive coroutine, its worker address)."""
+    from ucxx._lib_async import ApplicationContext
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name=f"ucxx-lane-{index}", daemon=True).start()
+
+    async def make() -> Any:  # on its loop: ucxx starts the context's progress thread for that loop
+        return ApplicationContext(progress_mode="thread")
+
+    try:
+        ctx = asyncio.run_coroutine_threadsafe(make(), loop).result(timeout=30)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        raise
+    return loop, ctx.recv, bytes(ctx.worker_address)
+
+
+def lane_split(arrays: list[np.ndarray], lanes: int) -> list[int]:
+    """The receive lane of each array: largest first, each to the lane with the fewest bytes so
+    far, so that every lane copies about the same; empty arrays (never sent) stay on lane 0."""
+    lane = [0] * len(arrays)
+    load = [0] * max(1, lanes)
+    for i in sorted(range(len(arrays)), key=lambda i: -arrays[i].nbytes):
+        if arrays[i].nbytes:
+            lane[i] = min(range(len(load)), key=load.__getitem__)
+            load[lane[i]] += arrays[i].nbytes
+    return lane
+
+
 @dataclass
 class _Posted:
-    """A transfer's posted UCX receives: which arrays arrived, and the future of all of them."""
+    """A transfer's posted UCX receives: which arrays arrived, the lane each is posted on, and the
+    future of all of them."""
 
     arrays: list[np.ndarray]
     tag: int
+    lane: list[int] = field(default_factory=list)
+    workers: list[bytes] = field(default_factory=list)  # the worker address of each lane
     done: list[bool] = field(default_factory=list)
     future: Any = None
 
@@ -519,7 +597,8 @@ class Receiver:
     """
 
     def __init__(self, kind: str, on_state: OnState, *, host: str = "127.0.0.1", key: bytes = b"",
-                 max_bytes: int = DEFAULT_MAX_STATE_BYTES, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_STATE_BYTES, pool_bytes: int = DEFAULT_POOL_BYTES,
+                 lanes: int = RECEIVE_LANES) -> None:
         if kind not in KINDS:
             raise ValueError(f"KV transport kind must be one of {KINDS}, got {kind!r}")
         self.on_state = on_state
@@ -527,9 +606,11 @@ class Receiver:
         self.max_bytes = max_bytes
         self.pool = shared_pool(pool_bytes)
         self._ucx: _Ucx | None = None
+        self.lanes = 1  # UCX receive lanes this receiver spreads a state over
         if kind == "ucx":
             try:
                 self._ucx = _Ucx.get()
+                self.lanes = min(max(1, lanes), self._ucx.ensure_lanes(lanes))
             except Exception as exc:  # deliberate fallback: a TCP receiver still works
                 FALLBACKS.labels("ucx_receiver_unavailable").inc()
                 log.warning("ucx receiver unavailable; serving TCP", error=f"{type(exc).__name__}: {exc}")
@@ -582,11 +663,16 @@ class Receiver:
                 return
             mode = "ucx" if header.get("mode") == "ucx" and self._ucx is not None else "tcp"
             posted = None
+            answer: dict[str, Any] = {"mode": mode}
             try:
                 if mode == "ucx":
                     assert self._ucx is not None
-                    posted = self._ucx.start_recv(arrays, int(header["tag"]))
-                _send_msg(conn, {"mode": mode})
+                    # a sender that reads lanes from the answer gets them; any other sends to lane 0
+                    lanes = self.lanes if header.get("lanes") is True else 1
+                    posted = self._ucx.start_recv(arrays, int(header["tag"]), lanes)
+                    if lanes > 1:
+                        answer.update(workers=[w.hex() for w in posted.workers], lane=posted.lane)
+                _send_msg(conn, answer)
                 if posted is not None:
                     watch(posted.future, conn, STALL_TIMEOUT_S)
                 else:
@@ -599,6 +685,9 @@ class Receiver:
                     self._ucx.abandon(posted)
                 return
             nbytes = sum(a.nbytes for a in arrays)
+            if posted is not None:
+                for lane in sorted(set(posted.lane)):
+                    LANE_BYTES.labels(str(lane)).inc(sum(a.nbytes for a, k in zip(arrays, posted.lane) if k == lane))
             try:
                 state = build_state(header, arrays)
                 self.on_state(state)
@@ -621,13 +710,15 @@ _RECEIVERS_LOCK = threading.Lock()
 
 
 def make_receiver(kind: str, on_state: OnState, *, host: str = "127.0.0.1", key: bytes = b"",
-                  max_bytes: int = DEFAULT_MAX_STATE_BYTES, pool_bytes: int = DEFAULT_POOL_BYTES) -> str:
-    """Start a receiver for ``kind`` ("ucx" | "tcp"); returns the address senders use.
+                  max_bytes: int = DEFAULT_MAX_STATE_BYTES, pool_bytes: int = DEFAULT_POOL_BYTES,
+                  lanes: int = RECEIVE_LANES) -> str:
+    """Start a receiver for ``kind`` ("ucx" | "tcp"); returns the address senders use. A UCX
+    receiver spreads each state over up to ``lanes`` receive lanes (``GYRE_UCX_RECEIVE_LANES``).
 
     ``kind="ucx"`` without a working ucxx serves TCP (logged, counted): the address then starts
     with ``tcp://``. Close with ``close_receiver(address)``.
     """
-    recv = Receiver(kind, on_state, host=host, key=key, max_bytes=max_bytes, pool_bytes=pool_bytes)
+    recv = Receiver(kind, on_state, host=host, key=key, max_bytes=max_bytes, pool_bytes=pool_bytes, lanes=lanes)
     with _RECEIVERS_LOCK:
         _RECEIVERS[recv.address] = recv
     return recv.address
@@ -697,6 +788,25 @@ def send_state_ex(kind: str, address: str, state: MigrationState, *, timeout_s: 
     return SendResult(n, used, False, time.perf_counter() - t0)
 
 
+def lane_targets(answer: dict[str, Any], worker: bytes, n: int) -> list[bytes]:
+    """The worker address each of a state's ``n`` arrays goes to: the receive lanes a UCX
+    receiver's answer names (``workers`` and ``lane``), or its address's worker for every array
+    when the answer names none. TransportError (the sender then resends over TCP) on an answer
+    whose lanes do not fit."""
+    workers, lane = answer.get("workers"), answer.get("lane")
+    if workers is None and lane is None:
+        return [worker] * n
+    try:
+        addresses = [bytes.fromhex(w) for w in workers]  # type: ignore[union-attr]
+        if not isinstance(lane, list) or len(lane) != n:
+            raise ValueError(f"{n} arrays but {len(lane) if isinstance(lane, list) else lane!r} lanes")
+        if not all(type(i) is int and 0 <= i < len(addresses) for i in lane):
+            raise ValueError(f"a lane outside the {len(addresses)} workers")
+        return [addresses[i] for i in lane]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise TransportError(f"the receiver's UCX lanes do not fit the state: {exc}") from exc
+
+
 def ucx_budget_s(arrays: list[np.ndarray], timeout_s: float) -> float:
     """How long a UCX transfer may take before the sender gives up on it and resends over TCP:
     a few seconds plus the bytes at a slow link's rate, never more than ``timeout_s``. A UCX
@@ -709,7 +819,10 @@ def ucx_budget_s(arrays: list[np.ndarray], timeout_s: float) -> float:
 def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray], ucx: _Ucx | None,
           worker: bytes, timeout_s: float, key: bytes = b"") -> tuple[int, str]:
     tag = secrets.randbits(47) << 16
-    header = sign(state_header(state, arrays, mode="ucx" if ucx else "tcp", tag=tag), key)
+    header = state_header(state, arrays, mode="ucx" if ucx else "tcp", tag=tag)
+    if ucx:
+        header["lanes"] = True  # this sender sends each array to the receive lane the answer names
+    header = sign(header, key)
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as exc:
@@ -724,14 +837,15 @@ def _send(host: str, port: int, state: MigrationState, arrays: list[np.ndarray],
             mode = answer.get("mode")
             if mode == "ucx":
                 assert ucx is not None
-                sending = asyncio.run_coroutine_threadsafe(ucx.send(worker, arrays, tag), ucx.loop)
+                targets = lane_targets(answer, worker, len(arrays))
+                sending = asyncio.run_coroutine_threadsafe(ucx.send(targets, arrays, tag), ucx.loop)
                 try:
                     watch(sending, sock, ucx_budget_s(arrays, timeout_s))
                 except (TransportError, TimeoutError) as exc:
                     reason = "peer_gone" if isinstance(exc, PeerGone) else (
                         "failed" if isinstance(exc, TransportError) else "timeout")
                     ABORTED.labels("sender", reason).inc()
-                    ucx.drop_endpoint(worker)  # its pending sends fail and release their arrays
+                    ucx.drop_endpoint(*set(targets))  # their pending sends fail and release their arrays
                     raise
             else:
                 for a in arrays:

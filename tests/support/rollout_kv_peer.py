@@ -3,7 +3,8 @@
 Run as ``python -m tests.support.rollout_kv_peer KIND REPLY_ADDRESS``: starts a ``KIND`` receiver,
 prints its address on stdout, and echoes the first state it receives to ``REPLY_ADDRESS`` over
 the same kind of transport, then exits (0 on success). ``python -m tests.support.rollout_kv_peer
-die-mid-transfer ADDRESS MIB``: a sender that starts a UCX migration of MIB MiB and hangs midway;
+die-mid-transfer ADDRESS MIB [lanes]``: a sender that starts a UCX migration of MIB MiB (on the
+receiver's receive lanes with ``lanes``) and hangs midway;
 ``die-while-receiving``: a receiver that accepts a UCX migration and never takes its arrays.
 """
 
@@ -20,7 +21,7 @@ def main() -> int:
     if sys.argv[1] == "die-while-receiving":
         return die_while_receiving()
     if sys.argv[1] == "die-mid-transfer":
-        return die_mid_transfer(sys.argv[2], int(sys.argv[3]))
+        return die_mid_transfer(sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["lanes"])
     kind, reply_to = sys.argv[1], sys.argv[2]
     got: queue.Queue[MigrationState] = queue.Queue()
     address = kv_transport.make_receiver(kind, got.put)
@@ -33,9 +34,10 @@ def main() -> int:
 
 
 
-def die_mid_transfer(address: str, mib: int) -> int:
+def die_mid_transfer(address: str, mib: int, lanes: bool) -> int:
     """A sender that dies mid-transfer: header, then the first of the state's arrays over UCX, then
-    it says so on stdout and waits to be killed (the test kills it: a crashed engine)."""
+    it says so on stdout and waits to be killed (the test kills it: a crashed engine). ``lanes``:
+    a sender that asks for the receiver's receive lanes (the receiver posts on all of them)."""
     import secrets
     import socket
     import time
@@ -54,10 +56,15 @@ def die_mid_transfer(address: str, mib: int) -> int:
     tag = secrets.randbits(47) << 16
     ucx = kv_transport._Ucx.get()
     sock = socket.create_connection((host, port))
-    kv_transport._send_msg(sock, kv_transport.state_header(state, arrays, mode="ucx", tag=tag), kv_transport.MAGIC)
-    assert kv_transport._recv_msg(sock)["mode"] == "ucx"
-    first = [a for a in arrays if a.nbytes][:1]
-    ucx.call(ucx.send(worker, first, tag), 60)  # array 0 of the rest: the receiver waits for more
+    header = kv_transport.state_header(state, arrays, mode="ucx", tag=tag)
+    if lanes:
+        header["lanes"] = True
+    kv_transport._send_msg(sock, header, kv_transport.MAGIC)
+    answer = kv_transport._recv_msg(sock)
+    assert answer["mode"] == "ucx" and ("lane" in answer) == lanes, answer
+    targets = kv_transport.lane_targets(answer, worker, len(arrays))
+    assert arrays[0].nbytes
+    ucx.call(ucx.send(targets[:1], arrays[:1], tag), 60)  # array 0 of the rest: the receiver waits for more
     print("partial", flush=True)
     time.sleep(3600)
     return 0

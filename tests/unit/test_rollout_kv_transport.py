@@ -83,6 +83,54 @@ def test_state_round_trips_between_processes(kind: str) -> None:
     _assert_same(state, back)
 
 
+def test_lane_split_balances_bytes_and_lane_targets_checks_the_answer() -> None:
+    arrays = [np.zeros(n, np.uint8) for n in (10, 0, 100, 100, 100, 100)]
+    lane = kv_transport.lane_split(arrays, 2)
+    assert lane[1] == 0  # an empty array is never sent
+    load = [sum(a.nbytes for a, k in zip(arrays, lane) if k == j) for j in (0, 1)]
+    assert sorted(load) == [200, 210]
+    assert kv_transport.lane_split(arrays, 1) == [0] * 6
+    assert set(kv_transport.lane_split(arrays, 4)[2:]) == {0, 1, 2, 3}
+    a, b = b"\x01\x02", b"\x03"
+    assert kv_transport.lane_targets({"mode": "ucx"}, a, 3) == [a, a, a]  # a receiver without lanes
+    assert kv_transport.lane_targets({"workers": [a.hex(), b.hex()], "lane": [1, 0, 1]}, a, 3) == [b, a, b]
+    for bad in ({"workers": [a.hex()], "lane": [0, 1, 0]}, {"workers": [a.hex()], "lane": [0, 0]},
+                {"workers": ["zz"], "lane": [0, 0, 0]}, {"workers": None, "lane": [0, 0, 0]},
+                {"workers": [a.hex()], "lane": [0, True, -1]}):
+        with pytest.raises(kv_transport.TransportError):
+            kv_transport.lane_targets(bad, a, 3)
+
+
+def test_ucx_receiver_spreads_a_state_over_its_receive_lanes() -> None:
+    """Each receive lane (its own ucxx worker and progress thread) takes about half of a state's
+    bytes, and the state arrives exact."""
+    pytest.importorskip("ucxx")
+    state = _state(layers=2, tokens=4000)
+    got: queue.Queue[MigrationState] = queue.Queue()
+    address = kv_transport.make_receiver("ucx", got.put)
+    assert len(kv_transport._Ucx.get().lanes) == kv_transport.RECEIVE_LANES == 2
+    before = [kv_transport.LANE_BYTES.labels(str(k))._value.get() for k in (0, 1)]
+    try:
+        result = kv_transport.send_state_ex("ucx", address, state)
+        _assert_same(state, got.get(timeout=120))
+    finally:
+        kv_transport.close_receiver(address)
+    assert result.transport == "ucx" and not result.fallback
+    moved = [kv_transport.LANE_BYTES.labels(str(k))._value.get() - before[k] for k in (0, 1)]
+    assert sum(moved) == state.nbytes()
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in state.kv)
+    assert min(moved) >= kv_bytes // 2 - max(k.nbytes for k, _ in state.kv)
+    # a receiver made with one lane takes everything on lane 0
+    one = kv_transport.make_receiver("ucx", got.put, lanes=1)
+    before = [kv_transport.LANE_BYTES.labels(str(k))._value.get() for k in (0, 1)]
+    try:
+        kv_transport.send_state("ucx", one, state)
+        _assert_same(state, got.get(timeout=120))
+    finally:
+        kv_transport.close_receiver(one)
+    assert [kv_transport.LANE_BYTES.labels(str(k))._value.get() - before[k] for k in (0, 1)] == [state.nbytes(), 0]
+
+
 def test_bfloat16_kv_and_empty_kv_round_trip_over_tcp() -> None:
     state = _state(kv_dtype="bfloat16")
     back, _ = _round_trip("tcp", state)
@@ -125,18 +173,20 @@ def test_refused_state_raises_and_dead_receiver_is_transport_error() -> None:
         kv_transport.send_state("tcp", address, _state(layers=1, tokens=600))
 
 
-def test_a_sender_dying_mid_transfer_leaves_the_receiver_serving() -> None:
+@pytest.mark.parametrize("lanes", [True, False])
+def test_a_sender_dying_mid_transfer_leaves_the_receiver_serving(lanes: bool) -> None:
     """A crashed engine mid-migration (UCX peer error handling off): the receiver sees its control
     connection close, abandons the transfer, frees the receives it had posted for the arrays that
-    never came, and takes the next migration (from another process) bit-exact."""
+    never came (on every receive lane; or on lane 0 alone for a sender that asks for no lanes), and
+    takes the next migration (from another process) bit-exact."""
     pytest.importorskip("ucxx")
     got: queue.Queue[MigrationState] = queue.Queue()
     mine = kv_transport.make_receiver("ucx", got.put)
     ucx = kv_transport._Ucx.get()
     aborted = kv_transport.ABORTED.labels("receiver", "peer_gone")
     before = aborted._value.get()
-    dying = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", "die-mid-transfer", mine, "64"],
-                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    dying = subprocess.Popen([sys.executable, "-m", "tests.support.rollout_kv_peer", "die-mid-transfer", mine, "64"]
+                             + ["lanes"] * lanes, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert dying.stdout is not None and dying.stdout.readline().strip() == "partial"
         assert ucx.receiving == 1  # its first array arrived; the receiver waits for the rest
