@@ -493,9 +493,9 @@ class _Ucx:
 
     def abandon(self, posted: _Posted) -> None:
         """Complete a dead transfer's receives that no message matched yet, with a one-byte
-        message from this worker to itself on each one's tag, so that their buffers (up to a
-        whole state) are freed now instead of staying posted for good: ucxx cannot cancel one
-        tagged receive, and without peer error handling nothing fails it."""
+        message from this process to the worker of each one's lane on its tag, so that their
+        buffers (up to a whole state) are freed now instead of staying posted for good: ucxx
+        cannot cancel one tagged receive, and without peer error handling nothing fails it."""
         missing = [i for i, a in enumerate(posted.arrays) if a.nbytes and not posted.done[i]]
         if not missing:
             return
