@@ -61,7 +61,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from prometheus_client import Counter
@@ -402,9 +402,7 @@ class _Ucx:
         self._endpoints: dict[bytes, Any] = {}
         self.receiving = 0  # transfers with receives posted (changed on the loop thread only)
         self.worker_address: bytes = self.call(self._init(), timeout_s=30)
-        # receive lanes: (loop, receive coroutine, worker address); lane 0 is this context's worker
-        self.lanes: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], bytes]] = [
-            (self.loop, self.ucxx.recv, self.worker_address)]
+        self.lanes: list[_Lane] = [_Lane(self.loop, self.ucxx.recv, self.worker_address)]  # 0: this worker
         self._lanes_lock = threading.Lock()
 
     @classmethod
@@ -469,14 +467,14 @@ class _Ucx:
         ``posted.workers``); wait with ``watch``."""
         lanes = min(lanes, len(self.lanes))
         posted = _Posted(arrays, tag, lane=lane_split(arrays, lanes),
-                         workers=[address for _, _, address in self.lanes[:lanes]])
+                         workers=[lane.address for lane in self.lanes[:lanes]])
 
         async def one(i: int, a: np.ndarray) -> None:
-            await self.lanes[posted.lane[i]][1](a, tag=tag + i)
+            await self.lanes[posted.lane[i]].recv(a, tag=tag + i)
             posted.done[i] = True
 
         def post(i: int, a: np.ndarray) -> Any:  # on the array's lane's loop
-            loop = self.lanes[posted.lane[i]][0]
+            loop = self.lanes[posted.lane[i]].loop
             if loop is self.loop:
                 return one(i, a)
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(one(i, a), loop))
@@ -501,10 +499,10 @@ class _Ucx:
             return
 
         async def tombstones() -> None:  # each to the worker of the lane its receive is posted on
-            targets = [posted.workers[lane] for lane in posted.lane]
-            eps = {address: await self._endpoint(address) for address in {targets[i] for i in missing}}
-            await asyncio.gather(*(eps[targets[i]].send(np.zeros(1, np.uint8), tag=posted.tag + i, force_tag=True)
-                                   for i in missing))
+            targets = {i: posted.workers[posted.lane[i]] for i in missing}
+            eps = {address: await self._endpoint(address) for address in set(targets.values())}
+            await asyncio.gather(*(eps[address].send(np.zeros(1, np.uint8), tag=posted.tag + i, force_tag=True)
+                                   for i, address in targets.items()))
 
         try:
             self.call(tombstones(), timeout_s=30)
@@ -513,9 +511,18 @@ class _Ucx:
                         error=f"{type(exc).__name__}: {exc}")
 
 
-def _start_lane(index: int) -> tuple[asyncio.AbstractEventLoop, Callable[..., Any], bytes]:
+class _Lane(NamedTuple):
+    """A UCX receive lane: the asyncio loop its receives are posted on, its receive coroutine
+    (``recv(buffer, tag)``) and its worker's address."""
+
+    loop: asyncio.AbstractEventLoop
+    recv: Callable[..., Any]
+    address: bytes
+
+
+def _start_lane(index: int) -> _Lane:
     """A receive lane: a ucxx context of its own (worker and progress thread) driven by its own
-    asyncio loop thread; returns (loop, its receive coroutine, its worker address)."""
+    asyncio loop thread."""
     from ucxx._lib_async import ApplicationContext
 
     loop = asyncio.new_event_loop()
@@ -529,7 +536,7 @@ def _start_lane(index: int) -> tuple[asyncio.AbstractEventLoop, Callable[..., An
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         raise
-    return loop, ctx.recv, bytes(ctx.worker_address)
+    return _Lane(loop, ctx.recv, bytes(ctx.worker_address))
 
 
 def lane_split(arrays: list[np.ndarray], lanes: int) -> list[int]:
