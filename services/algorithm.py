@@ -18,9 +18,9 @@ knob is a field of the job's ``[job.algorithm]`` section (``Algorithm``):
    clip-higher, optional truncated importance sampling, k3 KL and an entropy bonus
    (``ObjectiveConfig``, ``policy_loss``; below).
 4. **The update** (the trainer, once per step, after the all-reduce of the summed gradients):
-   AdamW with ``learning_rate`` (ramped up over ``lr_warmup_steps``, then constant or on a cosine
-   down to ``lr_min_ratio`` of it at the last step: ``lr_schedule``) and ``weight_decay``, global
-   grad-norm clip ``max_grad_norm``
+   AdamW (``adam_beta1``, ``adam_beta2``, ``adam_eps``) with ``learning_rate`` (ramped up over
+   ``lr_warmup_steps``, then constant or on a cosine down to ``lr_min_ratio`` of it at the last step:
+   ``lr_schedule``) and ``weight_decay``, global grad-norm clip ``max_grad_norm``
    (``services/trainer/learner.py`` ``Updater.apply``).
 
 Which tokens are trained is the trajectory tree's business (``services/trajectory/tree.py``): the
@@ -131,6 +131,15 @@ class Algorithm:
     """Dual-clip PPO bound c > 1: a negative-advantage token's loss is at most -c * A (0: off)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon. Adam divides each gradient by its running RMS plus ``adam_eps``. With the
+    default, even a parameter whose gradient is pure noise moves by about ``learning_rate`` per
+    update. A parameter whose gradient is well below ``adam_eps`` moves in proportion to that
+    gradient instead."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip (0: none)."""
     loss_aggregation: str = "execution_mean"
@@ -158,6 +167,12 @@ class Algorithm:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"algorithm.{name} is {v}; expected a finite number >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"algorithm.{name} is {v}; expected in [0, 1)")
+        if not (self.adam_eps > 0 and math.isfinite(self.adam_eps)):
+            raise ValueError(f"algorithm.adam_eps is {self.adam_eps}; expected a finite number > 0")
         if self.tis_cap != 0.0 and not (self.tis_cap >= 1.0 and math.isfinite(self.tis_cap)):
             raise ValueError(f"algorithm.tis_cap is {self.tis_cap}; expected 0 (off) or a finite number >= 1")
         if self.dual_clip != 0.0 and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):

@@ -92,7 +92,8 @@ def trainer_optim(a: Algorithm) -> Any:
 
     return trainer_pb2.OptimParams(lr=a.learning_rate, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
                                    warmup_steps=a.lr_warmup_steps, schedule=a.lr_schedule,
-                                   min_lr_ratio=a.lr_min_ratio)
+                                   min_lr_ratio=a.lr_min_ratio, beta1=a.adam_beta1, beta2=a.adam_beta2,
+                                   eps=a.adam_eps)
 
 
 class JobController:

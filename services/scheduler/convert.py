@@ -98,7 +98,7 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
 
 _ALGORITHM_UNSET_IS_DEFAULT = ("learning_rate", "clip_high", "max_grad_norm", "temperature", "loss_aggregation",
                                "advantage_eps", "kl_reference", "kl_estimator", "lr_schedule")
-_ALGORITHM_OPTIONAL = ("dual_clip", "lr_min_ratio")
+_ALGORITHM_OPTIONAL = ("dual_clip", "lr_min_ratio", "adam_beta1", "adam_beta2", "adam_eps")
 
 
 def algorithm_from_proto(p: scheduler_pb2.Algorithm) -> Algorithm:

@@ -57,7 +57,7 @@ def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
     if o.kl_estimator:
         obj["kl_estimator"] = o.kl_estimator
     p = spec.optim
-    opt: dict[str, Any] = {k: v for k in ("lr", "weight_decay", "max_grad_norm", "warmup_steps", "min_lr_ratio")
+    opt: dict[str, Any] = {k: v for k in ("lr", "weight_decay", "max_grad_norm", "warmup_steps", "min_lr_ratio", "eps")
                            if (v := _opt(p, k)) is not None}
     if p.schedule:
         opt["schedule"] = p.schedule
@@ -112,7 +112,7 @@ def job_to_proto(job: TrainerJob) -> trainer_pb2.TrainerJobSpec:
     objective = objective_params(o, temperature=job.temperature, kl_reference=job.kl_reference)
     optim = trainer_pb2.OptimParams(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], weight_decay=p.weight_decay,
                                     max_grad_norm=p.max_grad_norm, warmup_steps=p.warmup_steps,
-                                    schedule=p.schedule, min_lr_ratio=p.min_lr_ratio)
+                                    schedule=p.schedule, min_lr_ratio=p.min_lr_ratio, eps=p.eps)
     return trainer_pb2.TrainerJobSpec(
         job_id=job.job_id, model=job.model, source=job.source, trajectory_address=job.trajectory_address,
         engine_addresses=list(job.engine_addresses), scheduler_address=job.scheduler_address,

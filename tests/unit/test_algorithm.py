@@ -3,6 +3,7 @@ the trainer's loss, and loss aggregation adding up to the mean over executions."
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -169,3 +170,50 @@ def test_the_cosine_schedule_falls_to_its_floor_at_the_jobs_last_step() -> None:
 
     old_client = algorithm_from_proto(scheduler_pb2.Algorithm(learning_rate=1e-3))
     assert (old_client.lr_schedule, old_client.lr_min_ratio) == ("constant", 0.1)
+
+
+def test_adams_betas_and_epsilon_reach_the_trainers_optimizer() -> None:
+    """``adam_beta1``/``adam_beta2``/``adam_eps`` reach the trainer through the job API. With the
+    default epsilon the first update moves every parameter by the learning rate, whatever the size
+    of its gradient. With an epsilon far above a parameter's gradient it moves in proportion to
+    that gradient."""
+    import torch
+
+    from protos.gyre.v1 import scheduler_pb2, trainer_pb2
+    from services.scheduler.controller import trainer_objective, trainer_optim
+    from services.scheduler.convert import spec_from_proto, spec_to_proto
+    from services.trainer.learner import Updater
+    from services.trainer.wire import job_from_proto, job_to_proto
+    from tests.service.scheduler_support import job_spec
+
+    a = Algorithm(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-3)
+    msg = trainer_pb2.TrainerJobSpec(job_id="e", source="synthetic", objective=trainer_objective(a),
+                                     optim=trainer_optim(a))
+    optim = job_from_proto(msg).optim
+    assert (optim.betas, optim.eps) == ((0.8, 0.99), 1e-3)
+    assert job_from_proto(job_to_proto(job_from_proto(msg))).optim == optim
+    default = job_from_proto(trainer_pb2.TrainerJobSpec(job_id="e", source="synthetic")).optim
+    assert (default.betas, default.eps) == ((0.9, 0.999), 1e-8)
+
+    grad = torch.tensor([[1e-5, 1e-4, 1e-2]])
+    moved = {}
+    for eps in (1e-8, 1e-3):
+        model = torch.nn.Linear(3, 1, bias=False)
+        before = model.weight.detach().clone()
+        model.weight.grad = grad.clone()
+        Updater(model, dataclasses.replace(optim, eps=eps)).apply(0)
+        moved[eps] = (before - model.weight.detach()).flatten().tolist()
+    assert moved[1e-8] == pytest.approx([1e-2] * 3, rel=1e-3)
+    assert moved[1e-3] == pytest.approx([1e-2 * g / (g + 1e-3) for g in grad.flatten().tolist()], rel=1e-3)
+
+    for bad, why in [({"adam_beta1": 1.0}, "adam_beta1"), ({"adam_beta2": -0.1}, "adam_beta2"),
+                     ({"adam_eps": 0.0}, "adam_eps"), ({"adam_eps": float("inf")}, "adam_eps")]:
+        with pytest.raises(ValueError, match=why):
+            Algorithm(**bad)  # type: ignore[arg-type]
+    back = spec_from_proto(spec_to_proto(job_spec("e", algorithm=a)), "e").algorithm
+    assert (back.adam_beta1, back.adam_beta2, back.adam_eps) == (0.8, 0.99, 1e-3)
+    # an older client, which sends none of them: the defaults
+    old_client = algorithm_from_proto(scheduler_pb2.Algorithm(learning_rate=1e-3))
+    assert (old_client.adam_beta1, old_client.adam_beta2, old_client.adam_eps) == (0.9, 0.999, 1e-8)
+    # a zero beta is a valid choice, not "unset"
+    assert spec_from_proto(spec_to_proto(job_spec("e", algorithm=Algorithm(adam_beta1=0.0))), "e").algorithm.adam_beta1 == 0.0
