@@ -1,8 +1,11 @@
 """Grading a built-in XLong workspace: run every test (visible and hidden) of every module.
 
 The reward service's builtin scorers ``xlong-v1`` (`score`) and ``xlong-v1-tests`` (`score_tests`,
-no attempt discount) wrap `score_workspace`; evaluation uses it too, so "pass rate" means the same
-everywhere: an execution *passes* when every test of every module passes.
+no attempt discount) wrap `score_workspace`. `TaskScore.all_passed` is true when every test of
+every module passes, after any number of attempts. A job's pass rates (held-out evaluation, the
+training pass rate in its metrics) count an execution as passed when its *reward* is 1.0
+(services.scheduler.controller): with the default `xlong-v1` scorer that means every module was
+right on its first attempt, since a module fixed after a failing report earns at most 0.5.
 
 Reward (partial credit): each module earns the fraction of its tests that pass, discounted by
 ``ATTEMPT_DISCOUNT ** (attempts - 1)`` when the harness recorded how many attempts the module took
