@@ -39,6 +39,9 @@ __all__ = [
     "training_sequences",
     "step_snippets",
     "sloppy_line",
+    "relabel_modules",
+    "module_name_ids",
+    "MAX_MODULE_NAMES",
 ]
 
 
@@ -149,6 +152,41 @@ class Demonstrations:
     snippets: list[tuple[np.ndarray, np.ndarray]]
 
 
+MAX_MODULE_NAMES = 64  # m1..m64: the most modules a task has (TaskParams.num_modules, long_modules)
+
+
+def module_name_ids(codec: Codec) -> np.ndarray:
+    """Token ids of the module names ``m1 .. m64`` (one word each in the built-in vocabulary)."""
+    ids = np.asarray([codec.encode(f"m{i}") for i in range(1, MAX_MODULE_NAMES + 1)], dtype=object)
+    if any(len(t) != 1 for t in ids):
+        raise ValueError("the codec does not spell every module name m1..m64 as one token")
+    out = np.asarray([int(t[0]) for t in ids], dtype=np.int64)
+    if len(set(out.tolist())) != MAX_MODULE_NAMES:
+        raise ValueError("the codec maps two module names to the same token")
+    return out
+
+
+def relabel_modules(calls: list[DemoCall], name_ids: np.ndarray, rng: random.Random, num_modules: int) -> list[DemoCall]:
+    """The same execution with its modules renamed: ``m1 .. mN`` become N names drawn from
+    ``m1 .. m64`` in increasing order (so m1 still comes first), in every prompt and answer alike.
+
+    A demonstration task has a few modules, so without this the warm start only ever sees ``m1 ..
+    m4`` called and learns to answer a call step with a favourite name instead of copying the one
+    the step gives; the default job's tasks call ``m5 .. m31`` too, which no sampled answer ever
+    got right, and RL cannot learn what it never samples."""
+    picked = sorted(rng.sample(range(MAX_MODULE_NAMES), num_modules))
+    table = np.arange(int(name_ids.max()) + 1, dtype=np.int64)
+    table[name_ids[:num_modules]] = name_ids[picked]
+
+    def rename(ids: np.ndarray) -> np.ndarray:
+        out = ids.astype(np.int64, copy=True)
+        inside = out <= table.size - 1
+        out[inside] = table[out[inside]]
+        return out.astype(ids.dtype)
+
+    return [DemoCall(rename(c.prompt_ids), rename(c.output_ids), c.role) for c in calls]
+
+
 def collect_demonstrations(
     *,
     num_tasks: int,
@@ -157,17 +195,26 @@ def collect_demonstrations(
     noise: DemoNoise,
     codec: Codec,
     seed: int = 0,
+    relabel_pct: int = 0,
 ) -> Demonstrations:
-    """Run the agent with the demonstrator on `num_tasks` train tasks (seeds from a separate range)."""
+    """Run the agent with the demonstrator on `num_tasks` train tasks (seeds from a separate range);
+    ``relabel_pct`` percent of them get their modules renamed (`relabel_modules`)."""
+    if not 0 <= relabel_pct <= 100:
+        raise ValueError(f"relabel_pct must be a percentage, got {relabel_pct}.")
     seqs: list[tuple[np.ndarray, np.ndarray]] = []
     snippets: list[tuple[np.ndarray, np.ndarray]] = []
     user_id = int(codec.encode("<|user|>")[0])
+    name_ids = module_name_ids(codec) if relabel_pct else np.zeros(0, dtype=np.int64)
+    rng = random.Random(f"relabel/{seed}")
     # Demo tasks come from far up the train seed range so they do not repeat RL's first tasks.
     base = 10**9 + seed * num_tasks
     for k in range(num_tasks):
         task = generate_task(base + k, params, split="train")
         demo = Demonstrator(task, codec, noise)
         run_execution(task, demo, codec=codec, config=agent, execution_id=f"demo-{seed}-{k}", deadline_s=float("inf"))
-        seqs.extend(training_sequences(demo.calls))
-        snippets.extend(step_snippets(demo.calls, user_id))
+        calls = demo.calls
+        if relabel_pct and rng.randrange(100) < relabel_pct:
+            calls = relabel_modules(calls, name_ids, rng, len(task.modules))
+        seqs.extend(training_sequences(calls))
+        snippets.extend(step_snippets(calls, user_id))
     return Demonstrations(seqs, snippets)

@@ -86,6 +86,10 @@ class ModelSpecBase:
     """How the demonstrator errs (sets the warm start's distance from the ceiling)."""
     task: TaskParams = field(default_factory=TaskParams)
     """Task knobs of the demonstration tasks."""
+    relabel_pct: int = 0
+    """Percent of demonstrations whose modules get other names (services.task.demos.relabel_modules),
+    so that the warm start learns to copy a call step's module name rather than favour the few names
+    its short demonstration tasks use."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.kv_heads:
@@ -238,7 +242,8 @@ def _build(out_dir: Path, spec: BuiltinModelSpec) -> dict[str, Any]:
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(builtin_config(spec, codec), attn_implementation="sdpa")
         demos = collect_demonstrations(
-            num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent, noise=spec.noise, codec=codec, seed=spec.seed
+            num_tasks=spec.demo_tasks, params=spec.task, agent=spec.agent, noise=spec.noise, codec=codec, seed=spec.seed,
+            relabel_pct=spec.relabel_pct,
         )
         losses = warm_start(model, demos, spec, pad_id=codec.pad_id)
         model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.task.dsl import DslError, run_program
-from services.task.spec import TaskSpec, task_from_id
+from services.task.spec import ModuleSpec, TaskSpec, task_from_id
 
-__all__ = ["ModuleScore", "TaskScore", "score_workspace", "score", "score_tests", "ATTEMPTS_PATH", "ATTEMPT_DISCOUNT"]
+__all__ = ["ModuleScore", "TaskScore", "score_workspace", "score", "score_tests", "ATTEMPTS_PATH", "ATTEMPT_DISCOUNT",
+           "MODULE_KINDS", "module_kind", "first_attempt_by_kind"]
 
 _MAX_CODE_BYTES = 4096
 ATTEMPTS_PATH = "harness/attempts.json"
@@ -119,6 +120,30 @@ def score_workspace(task: TaskSpec, files: Mapping[str, bytes], *, discount: flo
         credit = passed / len(m.tests) * discount ** (n - 1)
         scores.append(ModuleScore(m.name, passed, len(m.tests), error, n, credit))
     return TaskScore(tuple(scores))
+
+
+MODULE_KINDS = ("call", "sub", "rsub", "plain")
+"""What a module's steps ask for, the first that applies: it starts from a call to an earlier module
+(the line must copy that module's name), it has a ``sub`` step (the warm start's planted habit), an
+``rsub`` step, or only ``add`` / ``mul``."""
+
+
+def module_kind(module: ModuleSpec) -> str:
+    """The module's kind (`MODULE_KINDS`)."""
+    ops = {step.split()[0] for step in module.steps[1:]}
+    if module.calls:
+        return "call"
+    return "sub" if "sub" in ops else "rsub" if "rsub" in ops else "plain"
+
+
+def first_attempt_by_kind(task: TaskSpec, result: TaskScore) -> dict[str, tuple[int, int]]:
+    """Per module kind: (modules, modules whose every test passed on the first attempt). A job's pass
+    rate needs every module right the first time, so this says which kind holds it back."""
+    out = {k: (0, 0) for k in MODULE_KINDS}
+    for spec, got in zip(task.modules, result.modules, strict=True):
+        n, ok = out[module_kind(spec)]
+        out[module_kind(spec)] = (n + 1, ok + int(got.ok and got.attempts == 1))
+    return out
 
 
 def _verdict(result: TaskScore) -> dict[str, Any]:

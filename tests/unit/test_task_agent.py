@@ -3,6 +3,7 @@ the execution timeout with a preserved workspace, and TITO-exact contexts with a
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,17 @@ import torch
 
 from services.task import prompts
 from services.task.agent import AgentConfig, CallContext, Generation, Sampling, run_execution
-from services.task.demos import DemoNoise, Demonstrator, training_sequences
+from services.task.demos import (
+    MAX_MODULE_NAMES,
+    DemoNoise,
+    Demonstrator,
+    collect_demonstrations,
+    module_name_ids,
+    relabel_modules,
+    training_sequences,
+)
 from services.task.gateway_client import common_prefix_len
-from services.task.scoring import score_workspace
+from services.task.scoring import MODULE_KINDS, first_attempt_by_kind, module_kind, score_workspace
 from services.task.spec import TaskParams, TaskSpec, generate_task
 from services.task.tokenizer import Codec
 
@@ -205,3 +214,49 @@ class _Habit:
         task = generate_task_from(context.execution_id.split("/", 2)[2])
         demo = Demonstrator(task, CODEC, DemoNoise(minus_swap_pct=100, fix_minus_swap_pct=100))
         return demo.generate(context, prompt_ids, sampling, timeout_s=timeout_s)
+
+
+def test_relabelled_demonstrations_rename_every_module_alike_and_keep_the_rest() -> None:
+    # A task whose modules call earlier ones: its call steps are where a name must be copied.
+    params = TaskParams(num_modules=6, min_ops=1, max_ops=2, call_pct=80)
+    task = next(t for t in (generate_task(s, params) for s in range(200)) if sum(bool(m.calls) for m in t.modules) >= 3)
+    demo = Demonstrator(task, CODEC, DemoNoise(minus_swap_pct=None, fix_minus_swap_pct=None))
+    run_execution(task, demo, codec=CODEC, config=AgentConfig(context_limit_tokens=96), execution_id="e-rl")
+    names = module_name_ids(CODEC)
+    assert len(names) == MAX_MODULE_NAMES and CODEC.encode("m17")[0] == names[16]
+    renamed = relabel_modules(demo.calls, names, random.Random(3), len(task.modules))
+    assert len(renamed) == len(demo.calls)
+    seen: dict[int, int] = {}
+    for old, new in zip(demo.calls, renamed, strict=True):
+        assert old.role == new.role and len(old.prompt_ids) == len(new.prompt_ids)
+        for a, b in ((old.prompt_ids, new.prompt_ids), (old.output_ids, new.output_ids)):
+            is_name = np.isin(a, names)
+            np.testing.assert_array_equal(a[~is_name], b[~is_name])  # everything else untouched
+            for x, y in zip(a[is_name].tolist(), b[is_name].tolist(), strict=True):
+                assert seen.setdefault(x, y) == y  # one name, one new name, everywhere
+    # m1..m6 became six distinct names in the same order, and the module names are all renamed.
+    olds = sorted(seen)
+    assert olds == names[: len(task.modules)].tolist()
+    assert [seen[o] for o in olds] == sorted(set(seen.values())) and seen != {o: o for o in olds}
+    # A call step's answer still names the module its request names.
+    for c in renamed:
+        kind, step = prompts.parse_request(_decode(c.prompt_ids))
+        if kind == "step" and "(" in step:
+            assert _decode(c.output_ids).split()[1] == step.split()[0]
+    with pytest.raises(ValueError, match="relabel_pct"):
+        collect_demonstrations(num_tasks=1, params=params, agent=AgentConfig(), noise=DemoNoise(), codec=CODEC,
+                               relabel_pct=101)
+
+
+def test_first_attempt_by_kind_finds_the_kind_that_fails() -> None:
+    task, weak = _task_with_weak_steps()
+    demo = Demonstrator(task, CODEC, DemoNoise(minus_swap_pct=100, fix_minus_swap_pct=100))
+    result = run_execution(task, demo, codec=CODEC, config=AgentConfig(context_limit_tokens=96, retries=0),
+                           execution_id="e-kinds")
+    kinds = first_attempt_by_kind(task, score_workspace(task, result.files))
+    assert set(kinds) == set(MODULE_KINDS) and kinds["call"] == (0, 0)
+    assert kinds["sub"] == (len(weak), 0)  # every module with a sub step failed its first attempt
+    others = len(task.modules) - len(weak)
+    assert kinds["rsub"][0] + kinds["plain"][0] == others
+    assert kinds["rsub"][1] + kinds["plain"][1] == others
+    assert [module_kind(m) == "sub" for m in task.modules] == [m.name in weak for m in task.modules]
