@@ -86,10 +86,6 @@ class ModelSpecBase:
     """How the demonstrator errs (sets the warm start's distance from the ceiling)."""
     task: TaskParams = field(default_factory=TaskParams)
     """Task knobs of the demonstration tasks."""
-    relabel_pct: int = 0
-    """Percent of demonstrations whose modules get other names (services.task.demos.relabel_modules),
-    so that the warm start learns to copy a call step's module name rather than favour the few names
-    its short demonstration tasks use."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads or self.heads % self.kv_heads:
@@ -109,6 +105,15 @@ class BuiltinModelSpec(ModelSpecBase):
 
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Harness knobs of the demonstration runs (temperature > 0, so retries appear)."""
+    relabel_pct: int = 0
+    """Percent of demonstrations whose modules get other names (services.task.demos.relabel_modules),
+    so that the warm start learns to copy a call step's module name rather than favour the few names
+    its short demonstration tasks use."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.relabel_pct <= 100:
+            raise ValueError(f"relabel_pct must be a percentage, got {self.relabel_pct}.")
 
     def digest(self) -> str:
         blob = json.dumps({"version": BUILD_VERSION, **asdict(self)}, sort_keys=True, default=str)
