@@ -21,23 +21,28 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import tomllib
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.task.agent import AgentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "heldout_kinds_run.md"  # the last run's table; heldout_kinds.md has the findings
 
 
-def default_job_knobs() -> tuple[dict[str, str], dict[str, Any]]:
-    """The default job's task params and the built-in harness's knobs, from deploy/config."""
-    job = tomllib.loads((ROOT / "deploy" / "config" / "job.toml").read_text())["job"]
-    harness = tomllib.loads((ROOT / "deploy" / "config" / "run.toml").read_text()).get("harness", {})
-    params = {k: str(v) for k, v in job["tasks"]["params"].items()}
-    agent = {k: harness[k] for k in ("context_limit_tokens", "fix_turns", "retries") if k in harness}
-    return params, agent
+def default_job_knobs() -> tuple[dict[str, str], AgentConfig]:
+    """The default job's task params (its job file) and the built-in harness's agent (run.toml's
+    ``[harness]``), through the loaders the job and the harness use."""
+    from services.common.config import load_config
+    from services.harness.config import HarnessConfig
+    from services.scheduler.jobfile import load_job
+
+    job = load_job(ROOT / "deploy" / "config" / "job.toml")
+    harness = load_config(HarnessConfig, path=ROOT / "deploy" / "config" / "run.toml", section="harness")
+    return dict(job.tasks.params), harness.agent
 
 
 def load_policy(base: Path, checkpoint: str | None) -> Any:
@@ -56,14 +61,14 @@ def load_policy(base: Path, checkpoint: str | None) -> Any:
     return model.eval()
 
 
-def measure(model: Any, codec: Any, n: int, params: dict[str, str], agent: dict[str, Any]) -> dict[str, Any]:
-    from services.task.agent import AgentConfig, run_execution
+def measure(model: Any, codec: Any, n: int, params: dict[str, str], agent: AgentConfig) -> dict[str, Any]:
+    from services.task.agent import run_execution
     from services.task.local_client import LocalModelClient
     from services.task.scoring import MODULE_KINDS, first_attempt_by_kind, score_workspace
     from services.task.spec import heldout_tasks, task_from_id
 
     client = LocalModelClient(model, keep_records=False)
-    cfg = replace(AgentConfig(**agent), temperature=0.0)
+    cfg = replace(agent, temperature=0.0)
     lengths = {"short": [0, 0], "long": [0, 0]}
     kinds = {k: [0, 0] for k in MODULE_KINDS}
     short_modules = int(params.get("num_modules", "4"))
@@ -126,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"`python -m bench.bench_heldout_kinds --tasks {args.tasks}"
              + "".join(f" --checkpoint {c}" for c in args.checkpoint) + "`; the default job's held-out tasks "
              f"({', '.join(f'{k}={v}' for k, v in params.items() if k not in ('split', 'start_seed'))}; harness "
-             f"{', '.join(f'{k}={v}' for k, v in agent.items())}).", "", *table(rows), ""]
+             f"context_limit_tokens={agent.context_limit_tokens}, fix_turns={agent.fix_turns}, retries={agent.retries}).",
+             "", *table(rows), ""]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -157,7 +157,7 @@ MAX_MODULE_NAMES = 64  # m1..m64: the most modules a task has (TaskParams.num_mo
 
 def module_name_ids(codec: Codec) -> np.ndarray:
     """Token ids of the module names ``m1 .. m64`` (one word each in the built-in vocabulary)."""
-    ids = np.asarray([codec.encode(f"m{i}") for i in range(1, MAX_MODULE_NAMES + 1)], dtype=object)
+    ids = [codec.encode(f"m{i}") for i in range(1, MAX_MODULE_NAMES + 1)]
     if any(len(t) != 1 for t in ids):
         raise ValueError("the codec does not spell every module name m1..m64 as one token")
     out = np.asarray([int(t[0]) for t in ids], dtype=np.int64)
@@ -180,7 +180,7 @@ def relabel_modules(calls: list[DemoCall], name_ids: np.ndarray, rng: random.Ran
 
     def rename(ids: np.ndarray) -> np.ndarray:
         out = ids.astype(np.int64, copy=True)
-        inside = out <= table.size - 1
+        inside = out < table.size
         out[inside] = table[out[inside]]
         return out.astype(ids.dtype)
 

@@ -141,8 +141,9 @@ def first_attempt_by_kind(task: TaskSpec, result: TaskScore) -> dict[str, tuple[
     rate needs every module right the first time, so this says which kind holds it back."""
     out = {k: (0, 0) for k in MODULE_KINDS}
     for spec, got in zip(task.modules, result.modules, strict=True):
-        n, ok = out[module_kind(spec)]
-        out[module_kind(spec)] = (n + 1, ok + int(got.ok and got.attempts == 1))
+        kind = module_kind(spec)
+        n, ok = out[kind]
+        out[kind] = (n + 1, ok + int(got.ok and got.attempts == 1))
     return out
 
 
