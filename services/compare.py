@@ -69,6 +69,11 @@ def spread(values: list[float]) -> dict[str, float]:
             "std": round((sum((v - mean) ** 2 for v in values) / n) ** 0.5, 4)}
 
 
+def position(value: float, sp: dict[str, float]) -> str:
+    """Where ``value`` lies against a `spread`'s min..max: "below", "within" or "above"."""
+    return "below" if value < sp["min"] else "above" if value > sp["max"] else "within"
+
+
 def _are_modes(labels: Any) -> bool:
     """Whether the compared labels are the scheduling modes (not ``--vary`` values)."""
     return all(label in MODES for label in labels)
@@ -94,15 +99,21 @@ def across_seeds(rows: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
             "completed": sum(r["state"] == "completed" for r in runs)}
     e, c = out["modes"].get("elastic"), out["modes"].get("colocate")
     if e and c and e["heldout_last"] and c["heldout_last"]:
-        out["elastic_within_colocate_spread"] = \
-            c["heldout_last"]["min"] <= e["heldout_last"]["mean"] <= c["heldout_last"]["max"]
+        where = position(e["heldout_last"]["mean"], c["heldout_last"])
+        out["elastic_within_colocate_spread"] = where == "within"
+        out["elastic_against_colocate_spread"] = where
     if modes and not _are_modes(modes) and out["modes"][modes[0]]["heldout_last"]:
         base = out["modes"][modes[0]]["heldout_last"]
         out["against_first"] = {
             label: {"difference": round(m["heldout_last"]["mean"] - base["mean"], 4),
-                    "outside_first_spread": not base["min"] <= m["heldout_last"]["mean"] <= base["max"]}
+                    "outside_first_spread": position(m["heldout_last"]["mean"], base) != "within",
+                    "against_first_spread": position(m["heldout_last"]["mean"], base)}
             for label, m in list(out["modes"].items())[1:] if m["heldout_last"]}
     return out
+
+
+def _where_words(where: str) -> str:
+    return {"within": "within", "above": "ABOVE (outside)", "below": "BELOW (outside)"}[where]
 
 
 def _seed_lines(agg: dict[str, Any]) -> list[str]:
@@ -119,12 +130,11 @@ def _seed_lines(agg: dict[str, Any]) -> list[str]:
                      f"| {fmt(m['wall_s'], 0)} |")
     if "elastic_within_colocate_spread" in agg:
         lines += ["", "Elastic's mean last held-out pass rate is "
-                  + ("within" if agg["elastic_within_colocate_spread"] else "OUTSIDE")
-                  + " colocate's spread over the seeds."]
+                  + _where_words(agg["elastic_against_colocate_spread"]) + " colocate's spread over the seeds."]
     first = next(iter(agg["modes"]), "")
     for label, a in agg.get("against_first", {}).items():
         lines += ["", f"{label}: mean last held-out {a['difference'] * 100:+.1f} points against {first}, "
-                  + ("OUTSIDE" if a["outside_first_spread"] else "within") + f" {first}'s spread over the seeds."]
+                  + _where_words(a["against_first_spread"]) + f" {first}'s spread over the seeds."]
     return lines
 
 

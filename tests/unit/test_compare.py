@@ -38,7 +38,7 @@ def test_spread() -> None:
 
 
 def test_across_seeds_compares_at_equal_steps_and_checks_elastic_against_colocate() -> None:
-    from services.compare import across_seeds
+    from services.compare import _seed_lines, across_seeds
 
     rows = {
         0: {"colocate": _row(0.50, 100, {0: 0.1, 4: 0.3, 8: 0.50}), "elastic": _row(0.55, 90, {0: 0.1, 4: 0.35, 8: 0.55})},
@@ -50,8 +50,17 @@ def test_across_seeds_compares_at_equal_steps_and_checks_elastic_against_colocat
     assert list(agg["modes"]["colocate"]["heldout_by_step"]) == [0, 4, 8]
     assert agg["modes"]["colocate"]["heldout_last"]["min"] == 0.5 and agg["modes"]["colocate"]["wall_s"]["mean"] == 105
     assert agg["elastic_within_colocate_spread"] is True  # 0.565 in 0.50..0.60
+    assert agg["elastic_against_colocate_spread"] == "within"
+    assert "is within colocate's spread" in "\n".join(_seed_lines(agg))
     rows[1]["elastic"] = _row(0.90, 95, {0: 0.1, 8: 0.90})
-    assert across_seeds(rows)["elastic_within_colocate_spread"] is False  # 0.725 is above colocate's 0.60
+    agg = across_seeds(rows)
+    assert agg["elastic_within_colocate_spread"] is False  # 0.725 is above colocate's 0.60
+    assert agg["elastic_against_colocate_spread"] == "above"
+    assert "is ABOVE (outside) colocate's spread" in "\n".join(_seed_lines(agg))
+    rows[1]["elastic"] = _row(0.20, 95, {0: 0.1, 8: 0.20})
+    agg = across_seeds(rows)
+    assert agg["elastic_against_colocate_spread"] == "below"  # 0.375 is below colocate's 0.50
+    assert "is BELOW (outside) colocate's spread" in "\n".join(_seed_lines(agg))
 
 
 def test_compare_refuses_a_bad_seed_count(capsys: object) -> None:
@@ -86,8 +95,12 @@ def test_variants_of_one_job_field_are_compared_against_the_first() -> None:
     assert "elastic_within_colocate_spread" not in agg
     zero = agg["against_first"]["timeout_policy=zero"]
     assert zero["difference"] == -0.1 and zero["outside_first_spread"] is True  # 0.22 below 0.30..0.34
+    assert zero["against_first_spread"] == "below"
     rows[1]["timeout_policy=zero"] = _row(0.40, 95, {0: 0.1, 8: 0.40})
     assert across_seeds(rows)["against_first"]["timeout_policy=zero"]["outside_first_spread"] is False  # 0.30
+    assert across_seeds(rows)["against_first"]["timeout_policy=zero"]["against_first_spread"] == "within"
+    rows[1]["timeout_policy=zero"] = _row(0.60, 95, {0: 0.1, 8: 0.60})
+    assert across_seeds(rows)["against_first"]["timeout_policy=zero"]["against_first_spread"] == "above"  # 0.40
 
 
 def test_compare_refuses_a_bad_variation(capsys) -> None:
