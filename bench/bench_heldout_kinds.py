@@ -11,7 +11,7 @@ built-in agent in-process on one thread) with the warm-started built-in model an
 ``--checkpoint`` (a trainer checkpoint directory ``.../checkpoints/<job>/step-00000N`` or its
 ``model.safetensors``: RL-trained weights of the same model; `gyre run` keeps a job's last two
 under ``.gyre/run/<mode>/spool/checkpoints/<job id>/``), and writes, per policy, the pass rate
-on the short and the long tasks and the share of modules right the first time per kind
+on the short and the long tasks, their mean reward, and the share of modules right the first time per kind
 (`services.task.scoring.MODULE_KINDS`): a call to an earlier module, a ``sub`` step, an ``rsub``
 step, only ``add`` / ``mul``. The warm start is the baseline of the same run.
 """
@@ -70,6 +70,7 @@ def measure(model: Any, codec: Any, n: int, params: dict[str, str], agent: Agent
     client = LocalModelClient(model, keep_records=False)
     cfg = replace(agent, temperature=0.0)
     lengths = {"short": [0, 0], "long": [0, 0]}
+    rewards = {"short": 0.0, "long": 0.0}
     kinds = {k: [0, 0] for k in MODULE_KINDS}
     short_modules = int(params.get("num_modules", "4"))
     t0 = time.perf_counter()
@@ -77,13 +78,15 @@ def measure(model: Any, codec: Any, n: int, params: dict[str, str], agent: Agent
         task = task_from_id(json.loads(payload)["task_id"])
         res = run_execution(task, client, codec=codec, config=cfg, execution_id=task.task_id)
         score = score_workspace(task, res.files)
-        row = lengths["long" if len(task.modules) > short_modules else "short"]
+        length = "long" if len(task.modules) > short_modules else "short"
+        row = lengths[length]
+        rewards[length] += score.reward
         row[0] += 1
         row[1] += int(score.reward >= 1.0 - 1e-9)
         for kind, (total, ok) in first_attempt_by_kind(task, score).items():
             kinds[kind][0] += total
             kinds[kind][1] += ok
-    return {"lengths": lengths, "kinds": kinds, "tasks": n, "wall_s": time.perf_counter() - t0}
+    return {"lengths": lengths, "rewards": rewards, "kinds": kinds, "tasks": n, "wall_s": time.perf_counter() - t0}
 
 
 def table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -93,15 +96,22 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
         return f"{pair[1] / pair[0]:.3f} ({pair[0]})" if pair[0] else "-"
 
     first = rows[0][1]
-    head = ["policy", "pass rate, all", "short tasks", "long tasks",
+    def mean(r: dict[str, Any], length: str) -> str:
+        count = r["lengths"][length][0]
+        return f"{r['rewards'][length] / count:.3f}" if count else "-"
+
+    head = ["policy", "pass rate, all", "short tasks", "long tasks", "short tasks' mean reward",
+            "long tasks' mean reward",
             *[f"{k} modules right first time" for k in MODULE_KINDS], "wall s"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, r in rows:
         both = [sum(v[0] for v in r["lengths"].values()), sum(v[1] for v in r["lengths"].values())]
         out.append("| " + " | ".join([name, frac(both), frac(r["lengths"]["short"]), frac(r["lengths"]["long"]),
+                                      mean(r, "short"), mean(r, "long"),
                                       *[frac(r["kinds"][k]) for k in MODULE_KINDS], f"{r['wall_s']:.0f}"]) + " |")
     out += ["", f"Counts in brackets: tasks or modules. {first['tasks']} held-out tasks, greedy; a pass is reward "
-                "1.0 (every module right on its first attempt)."]
+                "1.0 (every module right on its first attempt); a task's reward is its modules' test-weighted credit, "
+                "a module fixed after a failing report earning at most half (services.task.scoring)."]
     return out
 
 
