@@ -74,6 +74,13 @@ def position(value: float, sp: dict[str, float]) -> str:
     return "below" if value < sp["min"] else "above" if value > sp["max"] else "within"
 
 
+def _against(mean: float, base: dict[str, float]) -> dict[str, Any]:
+    """A variant's mean last held-out against the first variant's `spread`."""
+    where = position(mean, base)
+    return {"difference": round(mean - base["mean"], 4), "outside_first_spread": where != "within",
+            "against_first_spread": where}
+
+
 def _are_modes(labels: Any) -> bool:
     """Whether the compared labels are the scheduling modes (not ``--vary`` values)."""
     return all(label in MODES for label in labels)
@@ -104,11 +111,8 @@ def across_seeds(rows: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         out["elastic_against_colocate_spread"] = where
     if modes and not _are_modes(modes) and out["modes"][modes[0]]["heldout_last"]:
         base = out["modes"][modes[0]]["heldout_last"]
-        out["against_first"] = {
-            label: {"difference": round(m["heldout_last"]["mean"] - base["mean"], 4),
-                    "outside_first_spread": position(m["heldout_last"]["mean"], base) != "within",
-                    "against_first_spread": position(m["heldout_last"]["mean"], base)}
-            for label, m in list(out["modes"].items())[1:] if m["heldout_last"]}
+        out["against_first"] = {label: _against(m["heldout_last"]["mean"], base)
+                                for label, m in list(out["modes"].items())[1:] if m["heldout_last"]}
     return out
 
 
