@@ -8,9 +8,9 @@ A job's pass rate counts a task as passed when its reward is 1.0, which with the
 means every module right on its first attempt (services.task.scoring). This bench runs the default
 job's held-out tasks (deploy/config/job.toml's task knobs, run.toml's harness knobs, greedy, the
 built-in agent in-process on one thread) with the warm-started built-in model and with each
-``--checkpoint`` (a trainer checkpoint directory ``.../checkpoints/<job>/step-00000N`` or its
-``model.safetensors``: RL-trained weights of the same model; `gyre run` keeps a job's last two
-under ``.gyre/run/<mode>/spool/checkpoints/<job id>/``), and writes, per policy, the pass rate
+``--checkpoint`` (the policy directory `gyre run` writes, ``<report dir>/policy``, a trainer
+checkpoint directory ``.../checkpoints/<job>/step-00000N`` or its ``model.safetensors``:
+RL-trained weights of the same model), and writes, per policy, the pass rate
 on the short and the long tasks, their mean reward, and the share of modules right the first time per kind
 (`services.task.scoring.MODULE_KINDS`): a call to an earlier module, a ``sub`` step, an ``rsub``
 step, only ``add`` / ``mul``. The warm start is the baseline of the same run.
@@ -118,7 +118,7 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", type=int, default=128, help="held-out tasks (the default job evaluates 128)")
-    ap.add_argument("--checkpoint", action="append", default=[], help="trainer checkpoint dir or model.safetensors")
+    ap.add_argument("--checkpoint", action="append", default=[], help="gyre run's policy dir, a trainer checkpoint dir or a model.safetensors")
     ap.add_argument("--out", default=str(RESULTS), help="markdown file to write")
     args = ap.parse_args(argv)
     if args.tasks < 1:

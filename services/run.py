@@ -12,10 +12,13 @@ It is a client of the scheduler's job API and nothing else (``run_job``)::
     submit    the job file's [job] (a JobSpec) -> Scheduler.SubmitJob      (``gyre submit``)
     watch     Scheduler.WatchJob until the job ends, live progress          (``gyre watch``)
     report    report.html, figures, metrics.jsonl from the job's events     (``gyre report``)
+    policy    <report_dir>/policy: the trained policy as a model directory (``save_policy``)
     down
 
 The scheduler does the rest: it opens the steps, starts the trainer, configures reward, runs the
-held-out evaluations and publishes every event.
+held-out evaluations and publishes every event. The one thing read from the run's own data dir
+rather than through the API is the trainer's last checkpoint, which ``policy`` copies out before
+the next run (which starts from an empty data dir) would delete it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class RunConfig:
     model_cache_dir: str = setting(".gyre/models", "Built/converted models.")
     torch_threads: int = setting(1, "Threads per engine/trainer process (2 cores: keep 1).")
     quiet: bool = setting(False, "No live progress display (plain log lines instead).")
+    save_policy: bool = setting(True, "Write the trained policy to <report_dir>/policy (a model directory: "
+                                      "`gyre run --model DIR` trains on from it).")
     harness_loop: str = setting("builtin", "Agent loop the built-in harness runs tool-calling tasks with: builtin, "
                                            "openai-agents, smolagents, mini-swe-agent, claude-code or codex (`--harness "
                                            "NAME` sets it and, "
@@ -85,6 +90,7 @@ class RunResult:
     migrations: dict[str, float] = dataclasses.field(default_factory=dict)
     weight_version: int = 0
     outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # executions by end status
+    policy: Path | None = None  # the trained policy's model directory (save_policy), if one was written
 
 
 def bring_up(launcher: Launcher, run: RunConfig, model: str, *, echo: Callable[[str], None],
@@ -132,7 +138,7 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
     stop_supervising = threading.Event()
     supervising: threading.Thread | None = None
     try:
-        up, _model_dir, _env = bring_up(launcher, run, spec.model, echo=echo)
+        up, model_dir, _env = bring_up(launcher, run, spec.model, echo=echo)
         # whatever dies (a crash, the OOM killer) is started again; the job goes on
         supervisor = Supervisor(launcher.state_file, echo=echo)
         supervising = supervisor.start_thread(stop_supervising)
@@ -168,15 +174,65 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
             steps = step_rows(view, trainer=trainer, trajectory=traj)
         echo(f"report: {report}")
         weight_version = scheduler.get_job(job.job_id).weight_version
+        policy = None
+        if run.save_policy:
+            policy = save_policy(launcher.data_dir / "spool" / "checkpoints" / job.job_id, model_dir,
+                                 Path(run.report_dir) / "policy", job_id=job.job_id)
+            info = json.loads((policy / POLICY_FILE).read_text()) if policy else {}
+            echo(f"policy: {policy} (weight version {info['weight_version']}; `gyre run --model {policy}` trains on "
+                 f"from it)" if policy else "policy: none (the job trained no step)")
         roles = view.roles(time.time() - view.t0, scheduler.list_cells())
         scheduler.close()
         return RunResult(job.job_id, spec.mode.value, steps, view.evals, roles, view.switches, time.time() - t0,
-                         report, state, migrations, weight_version, dict(view.outcomes))
+                         report, state, migrations, weight_version, dict(view.outcomes), policy)
     finally:
         stop_supervising.set()
         if supervising is not None:
             supervising.join(30)
         launcher.down(echo=lambda _m: None)
+
+
+POLICY_FILE = "gyre_policy.json"
+
+
+def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Path | None:
+    """The job's trained policy as the model directory ``out``: ``base``'s config, tokenizer and
+    generation files with the weights of the newest complete trainer checkpoint under
+    ``checkpoints`` (``<data dir>/spool/checkpoints/<job id>``), and ``gyre_policy.json`` (job, weight
+    version, base model, checkpoint; ``base_policy``: the base's own record when it was a policy). Any model loader reads it (``gyre run --model out``,
+    ``transformers.AutoModelForCausalLM.from_pretrained``, ``bench.bench_heldout_kinds --checkpoint
+    out``). Returns None when the job left no checkpoint (it trained no step). Written beside ``out``
+    and renamed into place (a previous policy there is replaced): ``out`` is never half-written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from services.trainer.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(checkpoints)
+    if found is None:
+        return None
+    state = json.loads((found / "state.json").read_text())
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in base.iterdir():  # the base model's weights and its build record are not the policy's
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")) \
+                and f.name not in ("gyre_build.json", POLICY_FILE) and not f.name.endswith(".lock"):
+            shutil.copy2(f, tmp / f.name)
+    # the checkpoint's tensors with the metadata transformers' loader expects of a model file
+    save_file(load_file(str(found / "model.safetensors")), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    info: dict[str, Any] = {"job_id": job_id, "weight_version": int(state["version"]), "base_model": str(base),
+                            "checkpoint": str(found)}
+    if (base / POLICY_FILE).is_file():  # trained on from an earlier policy: keep its lineage
+        info["base_policy"] = json.loads((base / POLICY_FILE).read_text())
+    (tmp / POLICY_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Callable[[str], None],

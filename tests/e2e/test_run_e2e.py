@@ -56,6 +56,15 @@ def test_gyre_run_elastic_small(tmp_path: Path) -> None:
     assert report.exists() and (report.parent / "cell_timeline.png").exists()
     kinds = [json.loads(x)["kind"] for x in (report.parent / "metrics.jsonl").read_text().splitlines()]
     assert "switch" in kinds and kinds.count("step") == spec.num_steps
+    # the trained policy: a model directory with the trainer's last checkpoint's weights
+    from safetensors.torch import load_file
+
+    assert result.policy == tmp_path / "report" / "policy", lines
+    info = json.loads((result.policy / "gyre_policy.json").read_text())
+    assert info["job_id"] == result.job_id and info["weight_version"] == spec.num_steps
+    got, want = load_file(str(result.policy / "model.safetensors")), load_file(info["checkpoint"] + "/model.safetensors")
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+    assert any(line.startswith(f"policy: {result.policy}") for line in lines), lines
     # the stack's KV migration key signed every migration above and is in no log line
     data = tmp_path / "data" / "elastic"
     key = (data / "secrets" / "kv.key").read_text().strip()

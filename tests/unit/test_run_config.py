@@ -68,3 +68,9 @@ def test_unknown_fields_in_a_job_file(tmp_path: Path) -> None:
     f.write_text("[jobs]\n")
     with pytest.raises(ValueError, match="no \\[job\\] table"):
         load_job(f)
+
+
+def test_save_policy_is_on_by_default_and_can_be_turned_off() -> None:
+    assert load_run([])[0].save_policy
+    run, _spec, _path = load_run(["--save-policy", "false", "--num-steps", "2"])
+    assert not run.save_policy and _spec.num_steps == 2
