@@ -5,7 +5,8 @@ Each mode is a full `run_job` (own stack, own Redis); the comparison reports, pe
 wall-clock until the held-out pass rate first reached a common target (the lowest final pass rate
 among the modes, so every mode reaches it), steps done, cell utilization (share of cell-seconds
 spent in ROLLOUT or TRAIN rather than switching or idle) and switch counts. Written to
-``<report_dir>/compare/compare.md`` and ``compare.json``; each mode's full report sits beside it.
+``<report_dir>/compare/compare.md`` and ``compare.json``; each mode's full report sits beside it,
+with its trained policy (``policy/``, listed at the end of compare.md).
 
 With ``--seeds N`` every mode runs N times (the job's seed, seed + 1, ...) and the comparison adds,
 per mode, the held-out pass rate at each step every run evaluated (equal steps), the last one and
@@ -159,6 +160,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     variants = variants or mode_variants(spec, run)
     out_dir = Path(run.report_dir) / "compare"
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    policies: dict[str, list[str | None]] = {}
     first: dict[str, dict[str, Any]] = {}
     target = 0.0
     for k in range(seeds):
@@ -172,6 +174,8 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
             mode_spec = dataclasses.replace(variant, job_id=_job_id(spec.job_id, label, suffix), seed=seed)
             results[label] = run_job(mode_run, mode_spec, echo=echo,
                                      **({"config_path": config_path} if config_path else {}))
+            policy = results[label].policy
+            policies.setdefault(label, []).append(str(policy) if policy else None)
         finals = [r.evals[-1]["heldout_pass_rate"] for r in results.values() if r.evals]
         seed_target = min(finals) if finals else 0.0
         per_seed[seed] = {mode: _row(r, seed_target) for mode, r in results.items()}
@@ -180,7 +184,8 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     rows = {mode: {k: v for k, v in row.items() if k != "heldout_by_step"} for mode, row in first.items()}
     by_mode = _are_modes(label for label, _ in variants)
     what = "mode" if by_mode else "variant"
-    summary: dict[str, Any] = {"seed": spec.seed, "target_heldout_pass_rate": target, "modes": rows}
+    summary: dict[str, Any] = {"seed": spec.seed, "target_heldout_pass_rate": target, "modes": rows,
+                               "policies": policies}
     title = "Mode comparison" if by_mode else f"Comparison of {', '.join(label for label, _ in variants)} ({spec.mode.value})"
     lines = [f"# {title} (seed {spec.seed}, {spec.num_steps} steps, budget {run.time_budget_s:.0f}s)", "",
              f"Target held-out pass rate: {target:.3f} (lowest final rate among the {what}s).", "",
@@ -193,11 +198,24 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     if seeds > 1:
         summary["over_seeds"] = across_seeds(per_seed)
         lines += ["", *_seed_lines(summary["over_seeds"])]
+    lines += policy_lines(policies)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
     echo("\n".join(lines))
     return summary
+
+
+def policy_lines(policies: dict[str, list[str | None]]) -> list[str]:
+    """The compare report's list of each run's trained policy directory (`run_job`'s ``policy``),
+    per mode or variant in seed order; empty when no run wrote one (``--save-policy false``)."""
+    if not any(p for paths in policies.values() for p in paths):
+        return []
+    lines = ["", "Trained policies, one model directory per run in seed order (`gyre run --model DIR` trains on "
+             "from one; `python -m bench.bench_heldout_kinds --checkpoint DIR ...` measures the built-in "
+             "model's on held-out tasks without a deadline):", ""]
+    return lines + [f"- {label}: " + ", ".join(p or "none (no step trained)" for p in paths)
+                    for label, paths in policies.items()]
 
 
 def _file_name(label: str) -> str:

@@ -132,3 +132,15 @@ def test_a_variant_job_id_is_a_valid_job_id_for_any_field() -> None:
     assert low_var.startswith(f"{base}-algorithm-kl") and low_var.endswith("-seed0")
     for j in ids:
         assert job_spec(j).job_id == j  # the scheduler takes it
+
+
+def test_the_report_lists_each_runs_policy_in_seed_order() -> None:
+    from services.compare import policy_lines
+
+    lines = policy_lines({"timeout_policy=partial": ["r/partial-seed0/policy", "r/partial-seed1/policy"],
+                          "timeout_policy=zero": ["r/zero-seed0/policy", None]})
+    assert lines[-2] == "- timeout_policy=partial: r/partial-seed0/policy, r/partial-seed1/policy"
+    assert lines[-1] == "- timeout_policy=zero: r/zero-seed0/policy, none (no step trained)"
+    assert any("gyre run --model DIR" in line for line in lines)
+    assert policy_lines({"elastic": [None], "colocate": [None]}) == []  # --save-policy false: no section
+    assert policy_lines({}) == []
