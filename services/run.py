@@ -199,9 +199,9 @@ def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Pat
     """The job's trained policy as the model directory ``out``: ``base``'s config, tokenizer and
     generation files with the weights of the newest complete trainer checkpoint under
     ``checkpoints`` (``<data dir>/spool/checkpoints/<job id>``), and ``gyre_policy.json`` (job, weight
-    version, base model, checkpoint; ``base_policy``: the base's own record when it was a policy). Any model loader reads it (``gyre run --model out``,
-    ``transformers.AutoModelForCausalLM.from_pretrained``, ``bench.bench_heldout_kinds --checkpoint
-    out``). Returns None when the job left no checkpoint (it trained no step). Written beside ``out``
+    version, base model, checkpoint; ``base_policy``: the base's own record when it was a policy).
+    Any model loader reads it (``gyre run --model out``, ``transformers.AutoModelForCausalLM
+    .from_pretrained``, ``bench.bench_heldout_kinds --checkpoint out``). Returns None when the job left no checkpoint (it trained no step). Written beside ``out``
     and renamed into place (a previous policy there is replaced): ``out`` is never half-written."""
     import shutil
 
@@ -218,7 +218,7 @@ def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Pat
     tmp.mkdir(parents=True)
     for f in base.iterdir():  # the base model's weights and its build record are not the policy's
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")) \
-                and f.name not in ("gyre_build.json", POLICY_FILE) and not f.name.endswith(".lock"):
+                and f.name not in ("gyre_build.json", POLICY_FILE):
             shutil.copy2(f, tmp / f.name)
     # the checkpoint's tensors with the metadata transformers' loader expects of a model file
     save_file(load_file(str(found / "model.safetensors")), str(tmp / "model.safetensors"), metadata={"format": "pt"})
