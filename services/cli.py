@@ -15,6 +15,7 @@
     gyre down                                 stop everything gracefully (SIGTERM, then SIGKILL)
     gyre run [--job FILE] [--config FILE] [...]   up + submit + watch + report + down (`gyre run --help`)
     gyre run --compare [--seeds N] [...]      the three modes on the same job (N seeds: spread of held-out, wall)
+    gyre run --compare --modes A,B [...]      only those modes (e.g. colocate,elastic)
     gyre run --compare --vary FIELD=A,B [...] one job field's values instead of the modes (an ablation)
     gyre trajectory stats --records FILE.jsonl [--max-paths K]
     gyre replay --records FILE.jsonl [--max-paths N] [--steps N]

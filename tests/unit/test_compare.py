@@ -144,3 +144,28 @@ def test_the_report_lists_each_runs_policy_in_seed_order() -> None:
     assert any("gyre run --model DIR" in line for line in lines)
     assert policy_lines({"elastic": [None], "colocate": [None]}) == []  # --save-policy false: no section
     assert policy_lines({}) == []
+
+
+def test_modes_picks_some_of_the_modes_in_their_usual_order(capsys) -> None:
+    """``--modes elastic,colocate``: only those two runs, colocate on-policy first; a bad list is refused."""
+    from services.compare import compare_main, mode_variants, parse_modes
+    from services.run import load_run
+
+    assert parse_modes("elastic, colocate") == ("elastic", "colocate")
+    run, spec, _ = load_run([])
+    variants = mode_variants(spec, run, parse_modes("elastic,colocate"))
+    assert [label for label, _ in variants] == ["colocate", "elastic"]
+    assert [(v.mode.value, v.staleness_bound) for _, v in variants] == [("colocate", 0), ("elastic", 1)]
+    assert [label for label, _ in mode_variants(spec, run)] == ["colocate", "async", "elastic"]
+    for bad in ("", "colocate,", "colocate,bogus", "elastic,elastic"):
+        try:
+            parse_modes(bad)
+        except ValueError as exc:
+            assert "--modes" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    assert compare_main(["--modes", "colocate,bogus"]) == 2
+    assert "--modes lists scheduling modes from colocate, async, elastic" in capsys.readouterr().err
+    assert compare_main(["--modes"]) == 2
+    assert compare_main(["--modes", "colocate,elastic", "--vary", "timeout-policy=partial,zero"]) == 2
+    assert "do not go together" in capsys.readouterr().err
