@@ -6,7 +6,9 @@ wall-clock until the held-out pass rate first reached a common target (the lowes
 among the modes, so every mode reaches it), steps done, cell utilization (share of cell-seconds
 spent in ROLLOUT or TRAIN rather than switching or idle) and switch counts. Written to
 ``<report_dir>/compare/compare.md`` and ``compare.json``; each mode's full report sits beside it,
-with its trained policy (``policy/``, listed at the end of compare.md).
+with its trained policy (``policy/``, listed at the end of compare.md). A per-run table follows (also
+``compare.json``'s ``runs``): held-out after each evaluated step and the rise, training executions cut
+by the deadline per step, token entropy of the first and last step, the trainer/behaviour KL at step 1.
 
 With ``--seeds N`` every mode runs N times (the job's seed, seed + 1, ...) and the comparison adds,
 per mode, the held-out pass rate at each step every run evaluated (equal steps), the last one and
@@ -63,6 +65,47 @@ def _row(r: RunResult, target: float) -> dict[str, Any]:
             "heldout_by_step": {int(e["step"]): e["heldout_pass_rate"] for e in r.evals},
             "time_to_target_s": time_to(r, target), "utilization": round(utilization(r), 3),
             "switches": len(r.switches)}
+
+
+def run_facts(label: str, seed: int, r: RunResult) -> dict[str, Any]:
+    """One run's learning at a glance, for the per-run table: held-out pass rate after each evaluated
+    step and its rise (points), training executions cut by the deadline per step, token entropy of
+    the first and last trained step, and the trainer/behaviour KL of step 1 (the first update's
+    shock on the samples it trains; 0 on-policy)."""
+    steps = sorted(r.steps, key=lambda s: int(s.get("step", 0)))
+    entropies = [float(s["entropy"]) for s in steps if s.get("entropy") is not None]
+    heldout = {int(e["step"]): e["heldout_pass_rate"] for e in r.evals}
+    first, last = (r.evals[0]["heldout_pass_rate"], r.evals[-1]["heldout_pass_rate"]) if r.evals else (None, None)
+    kl1 = [s.get("mismatch_kl") for s in steps if int(s.get("step", -1)) == 1]
+    return {"label": label, "seed": seed, "state": r.final_state, "wall_s": round(r.wall_s, 1),
+            "heldout_by_step": heldout,
+            "rise_points": None if first is None else round((last - first) * 100, 1),
+            "timeouts_by_step": [int(s.get("timeouts", 0)) for s in steps],
+            "entropy_first": round(entropies[0], 3) if entropies else None,
+            "entropy_last": round(entropies[-1], 3) if entropies else None,
+            "mismatch_kl_step1": None if not kl1 or kl1[0] is None else float(kl1[0])}
+
+
+def run_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The compare report's per-run table (`run_facts` rows, in the order run)."""
+    if not runs:
+        return []
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+    lines = ["", "Per run: held-out pass rate after each evaluated step, its rise, training executions cut by "
+             "the deadline per step, token entropy of the first and last trained step, trainer/behaviour KL "
+             "at step 1 (nats/token, 0 on-policy):", "",
+             "| run | held-out after step | rise (points) | timed out per step | token entropy first -> last "
+             "| KL at step 1 | wall s |", "|---|---|---:|---|---|---:|---:|"]
+    for f in runs:
+        kl = f["mismatch_kl_step1"]
+        lines.append(
+            f"| {f['label']} seed {f['seed']}{'' if f['state'] == 'completed' else ' (' + f['state'] + ')'} | "
+            + ("; ".join(f"{k}: {v:.3f}" for k, v in sorted(f["heldout_by_step"].items())) or "-")
+            + f" | {num(f['rise_points'], '+.1f')} | {', '.join(map(str, f['timeouts_by_step'])) or '-'}"
+            + f" | {num(f['entropy_first'], '.2f')} -> {num(f['entropy_last'], '.2f')}"
+            + f" | {'-' if kl is None else format(max(kl, 0.0), '.3g')} | {f['wall_s']:.0f} |")
+    return lines
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -177,6 +220,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     out_dir = Path(run.report_dir) / "compare"
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     policies: dict[str, list[str | None]] = {}
+    runs: list[dict[str, Any]] = []
     first: dict[str, dict[str, Any]] = {}
     target = 0.0
     for k in range(seeds):
@@ -190,6 +234,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
             mode_spec = dataclasses.replace(variant, job_id=_job_id(spec.job_id, label, suffix), seed=seed)
             results[label] = run_job(mode_run, mode_spec, echo=echo,
                                      **({"config_path": config_path} if config_path else {}))
+            runs.append(run_facts(label, seed, results[label]))
             policy = results[label].policy
             policies.setdefault(label, []).append(str(policy) if policy else None)
         finals = [r.evals[-1]["heldout_pass_rate"] for r in results.values() if r.evals]
@@ -201,7 +246,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     by_mode = _are_modes(label for label, _ in variants)
     what = "mode" if by_mode else "variant"
     summary: dict[str, Any] = {"seed": spec.seed, "target_heldout_pass_rate": target, "modes": rows,
-                               "policies": policies}
+                               "runs": runs, "policies": policies}
     title = "Mode comparison" if by_mode else f"Comparison of {', '.join(label for label, _ in variants)} ({spec.mode.value})"
     lines = [f"# {title} (seed {spec.seed}, {spec.num_steps} steps, budget {run.time_budget_s:.0f}s)", "",
              f"Target held-out pass rate: {target:.3f} (lowest final rate among the {what}s).", "",
@@ -214,6 +259,7 @@ def compare_modes(run: RunConfig, spec: JobSpec, *, seeds: int = 1, echo: Any = 
     if seeds > 1:
         summary["over_seeds"] = across_seeds(per_seed)
         lines += ["", *_seed_lines(summary["over_seeds"])]
+    lines += run_lines(runs)
     lines += policy_lines(policies)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.md").write_text("\n".join(lines) + "\n")

@@ -167,3 +167,26 @@ def test_modes_picks_some_of_the_modes_in_their_usual_order(capsys) -> None:
     assert compare_main(["--modes"]) == 2
     assert compare_main(["--modes", "colocate,elastic", "--vary", "timeout-policy=partial,zero"]) == 2
     assert "do not go together" in capsys.readouterr().err
+
+
+def test_the_report_has_a_row_per_run_with_its_timeouts_entropy_and_first_update() -> None:
+    """Each run's row: held-out after each evaluated step and the rise, timed-out training executions
+    per step, token entropy first -> last, the step-1 trainer/behaviour KL (a k3 estimate a hair below
+    0 on-policy shows as 0), and a run that did not complete says so."""
+    from services.compare import run_facts, run_lines
+
+    steps = [{"step": 1, "timeouts": 8, "entropy": 0.32, "mismatch_kl": -2e-10},
+             {"step": 0, "timeouts": 4, "entropy": 0.42, "mismatch_kl": 0.0},
+             {"step": 2, "timeouts": 0, "entropy": 0.14}]
+    evals = [{"step": 0, "time_s": 5.0, "heldout_pass_rate": 0.078125}, {"step": 3, "time_s": 90.0, "heldout_pass_rate": 0.4453125}]
+    r = RunResult(job_id="j", mode="colocate", steps=steps, evals=evals, roles=[], switches=[], wall_s=388.2,
+                  report=None, final_state="completed")
+    facts = run_facts("colocate", 0, r)
+    assert facts["timeouts_by_step"] == [4, 8, 0] and facts["rise_points"] == 36.7
+    assert (facts["entropy_first"], facts["entropy_last"], facts["mismatch_kl_step1"]) == (0.42, 0.14, -2e-10)
+    stalled = RunResult(job_id="k", mode="elastic", steps=[], evals=[], roles=[], switches=[], wall_s=12.0,
+                        report=None, final_state="failed")
+    lines = run_lines([facts, run_facts("elastic", 1, stalled)])
+    assert "| colocate seed 0 | 0: 0.078; 3: 0.445 | +36.7 | 4, 8, 0 | 0.42 -> 0.14 | 0 | 388 |" in lines
+    assert "| elastic seed 1 (failed) | - | - | - | - -> - | - | 12 |" in lines
+    assert run_lines([]) == []
