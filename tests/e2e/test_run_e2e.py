@@ -123,8 +123,15 @@ def test_gyre_run_colocate_alternates_the_whole_pool(tmp_path: Path, monkeypatch
 
     The cell daemons heartbeat every 6 s here, so when a step's rollouts end the cells' reported
     in-flight counts are still those of the calls just finished (what a loaded CI machine made
-    happen by chance): the whole pool must move on the job's own counters, not on those."""
+    happen by chance): the whole pool must move on the job's own counters, not on those.
+
+    The scheduler ticks every 50 ms here (0.5 s by default). A step of this small job can end, train
+    its last micro-batch on the core and publish within one 0.5 s tick; the policy then rightly moves
+    nothing (the update is done), and a run whose steps all did that had no switch to check (CI, once).
+    Publishing takes more than 50 ms (the last micro-batch, the optimizer, the weights to both
+    engines), so every step's idle moment is seen."""
     monkeypatch.setenv("GYRE_CELL_DAEMON_HEARTBEAT_INTERVAL_S", "6")
+    monkeypatch.setenv("GYRE_SCHEDULER_TICK_INTERVAL_S", "0.05")
     cfg = RunConfig(engines=2, harness_concurrency=8, time_budget_s=500, report_dir=str(tmp_path / "report"),
                     data_dir=str(tmp_path / "data"), quiet=True)
     spec = load_job(TASK_FILES["xlong"][0], [*SMALL_TASKS, "--mode", "colocate", "--staleness_bound", "0",
