@@ -58,11 +58,15 @@ def time_to(result: RunResult, target: float) -> float | None:
     return None
 
 
-def _row(r: RunResult, target: float) -> dict[str, Any]:
-    return {"wall_s": round(r.wall_s, 1), "steps": len(r.steps), "state": r.final_state,
-            "heldout_first": r.evals[0]["heldout_pass_rate"] if r.evals else None,
+def _heldout(r: RunResult) -> dict[str, Any]:
+    """A run's held-out pass rates: the first, the last and each by the step evaluated after."""
+    return {"heldout_first": r.evals[0]["heldout_pass_rate"] if r.evals else None,
             "heldout_last": r.evals[-1]["heldout_pass_rate"] if r.evals else None,
-            "heldout_by_step": {int(e["step"]): e["heldout_pass_rate"] for e in r.evals},
+            "heldout_by_step": {int(e["step"]): e["heldout_pass_rate"] for e in r.evals}}
+
+
+def _row(r: RunResult, target: float) -> dict[str, Any]:
+    return {"wall_s": round(r.wall_s, 1), "steps": len(r.steps), "state": r.final_state, **_heldout(r),
             "time_to_target_s": time_to(r, target), "utilization": round(utilization(r), 3),
             "switches": len(r.switches)}
 
@@ -74,11 +78,11 @@ def run_facts(label: str, seed: int, r: RunResult) -> dict[str, Any]:
     shock on the samples it trains; 0 on-policy)."""
     steps = sorted(r.steps, key=lambda s: int(s.get("step", 0)))
     entropies = [float(s["entropy"]) for s in steps if s.get("entropy") is not None]
-    heldout = {int(e["step"]): e["heldout_pass_rate"] for e in r.evals}
-    first, last = (r.evals[0]["heldout_pass_rate"], r.evals[-1]["heldout_pass_rate"]) if r.evals else (None, None)
+    held = _heldout(r)
+    first, last = held["heldout_first"], held["heldout_last"]
     kl1 = [s.get("mismatch_kl") for s in steps if int(s.get("step", -1)) == 1]
     return {"label": label, "seed": seed, "state": r.final_state, "wall_s": round(r.wall_s, 1),
-            "heldout_by_step": heldout,
+            "heldout_by_step": held["heldout_by_step"],
             "rise_points": None if first is None else round((last - first) * 100, 1),
             "timeouts_by_step": [int(s.get("timeouts", 0)) for s in steps],
             "entropy_first": round(entropies[0], 3) if entropies else None,
@@ -346,7 +350,7 @@ def compare_main(argv: list[str]) -> int:
         if seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
         run, spec, config = load_run(args)
-        variants = None if modes == MODES else mode_variants(spec, run, modes)
+        variants = mode_variants(spec, run, modes)
         if vary is not None:
             name, values = vary
             label = name.replace("-", "_")

@@ -201,8 +201,9 @@ def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Pat
     ``checkpoints`` (``<data dir>/spool/checkpoints/<job id>``), and ``gyre_policy.json`` (job, weight
     version, base model, checkpoint; ``base_policy``: the base's own record when it was a policy).
     Any model loader reads it (``gyre run --model out``, ``transformers.AutoModelForCausalLM
-    .from_pretrained``, ``bench.bench_heldout_kinds --checkpoint out``). Returns None when the job left no checkpoint (it trained no step). Written beside ``out``
-    and renamed into place (a previous policy there is replaced): ``out`` is never half-written."""
+    .from_pretrained``, ``bench.bench_heldout_kinds --checkpoint out``). Returns None when the job
+    left no checkpoint (it trained no step). Written beside ``out`` and renamed into place (a
+    previous policy there is replaced): ``out`` is never half-written."""
     import shutil
 
     from safetensors.torch import load_file, save_file
