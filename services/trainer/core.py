@@ -275,10 +275,12 @@ class CoreTrainer:
         with self._cv:
             st.reports.append(report)
             self._cv.notify_all()
-        # what the policy weighs against switch costs: every participant's tokens over the time the core
-        # computed (waits for rollouts left out), and the world that shared them
+        # what the policy weighs against switch costs: every participant's tokens over the longest
+        # time one of them computed (waits for rollouts left out; replicas may have trained every
+        # micro-batch while the core trained none), and the world that shared them
         self._report(job, step, "published", new_version,
-                     {"tokens": float(metrics.get("tokens", 0.0)), "compute_s": compute_s,
+                     {"tokens": float(metrics.get("tokens", 0.0)),
+                      "compute_s": max(compute_s, metrics.get("compute_s_max", 0.0)),
                       "world_size": float(seal.world_size)})
         settle = getattr(st.source, "settle", None)
         if settle is not None:

@@ -48,6 +48,9 @@ class StepStats:
     ratio_max: float = -math.inf
     ratio_min: float = math.inf
     fresh_logp_dev: float = 0.0  # largest |trainer - behaviour| log-prob gap of a fresh target
+    # seconds this participant spent training its micro-batches; reduced with MAX, the step's
+    # longest share: what the update's parallel compute took, whoever trained the batches
+    compute_s: float = 0.0
 
     def vector(self) -> torch.Tensor:
         """The additive part as one float64 tensor (order fixed by SUM_METRICS/_COUNTS)."""
@@ -62,8 +65,9 @@ class StepStats:
         self.staleness_hist = np.asarray(v[ns + nc:])
 
     def extrema(self) -> torch.Tensor:
-        """[max ratio, -min ratio, max fresh log-prob gap]: reduce with MAX."""
-        return torch.tensor([self.ratio_max, -self.ratio_min, self.fresh_logp_dev], dtype=torch.float64)
+        """[max ratio, -min ratio, max fresh log-prob gap, compute seconds]: reduce with MAX."""
+        return torch.tensor([self.ratio_max, -self.ratio_min, self.fresh_logp_dev, self.compute_s],
+                            dtype=torch.float64)
 
     def merge(self, vec: torch.Tensor, extrema: torch.Tensor) -> None:
         """Add another replica's additive stats and extrema (a mid-step hand-off)."""
@@ -71,7 +75,7 @@ class StepStats:
         self.load_extrema(torch.maximum(self.extrema(), extrema.to(torch.float64)))
 
     def load_extrema(self, vec: torch.Tensor) -> None:
-        self.ratio_max, neg_min, self.fresh_logp_dev = vec.tolist()
+        self.ratio_max, neg_min, self.fresh_logp_dev, self.compute_s = vec.tolist()
         self.ratio_min = -neg_min
 
     def add_extrema(self, ratio_max: float, ratio_min: float, fresh_logp_dev: float) -> None:
@@ -92,6 +96,7 @@ class StepStats:
         out["mismatch_kl_fresh"] = fresh_kl / fw if fw > 0 else 0.0
         out["mismatch_kl_stale"] = (out["mismatch_kl"] - fresh_kl) / sw if sw > 1e-12 else 0.0
         out["fresh_logp_dev_max"] = self.fresh_logp_dev
+        out["compute_s_max"] = self.compute_s
         total = float(self.staleness_hist.sum())
         for label, c in zip(STALENESS_LABELS, self.staleness_hist):
             out[f"staleness_{label}"] = float(c)
@@ -124,7 +129,6 @@ class Learner:
         self.step = -1
         self.version = 0
         self.stats = StepStats()
-        self.compute_s = 0.0
         self._abort: threading.Event | None = None
         self._armed = False  # the abort may cut the running forward (until the batch's commit)
         self._hooked = False
@@ -165,7 +169,6 @@ class Learner:
         self.step = step
         self.version = version
         self.stats = StepStats()
-        self.compute_s = 0.0
         for p in self.params:
             p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -190,7 +193,7 @@ class Learner:
         try:
             return self._train(batch, t, commit, start)
         except MicroBatchAborted:
-            self.compute_s += time.perf_counter() - start
+            self.stats.compute_s += time.perf_counter() - start
             raise
         finally:
             self._armed = False
@@ -208,10 +211,10 @@ class Learner:
         out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
                           entropy=ent, ref_logprobs=ref, fresh=t.weight_version == self.version)
         if not commit():
-            self.compute_s += time.perf_counter() - start
+            self.stats.compute_s += time.perf_counter() - start
             return False
         out.loss.backward()
-        self.compute_s += time.perf_counter() - start
+        self.stats.compute_s += time.perf_counter() - start
         s = self.stats
         for k, v in out.sums.items():
             s.sums[k] += float(v)
@@ -246,7 +249,7 @@ class Learner:
 
         with torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
             done = self.policy.train_chunked(t, loss_of, before_backward=commit)
-        self.compute_s += time.perf_counter() - start
+        self.stats.compute_s += time.perf_counter() - start
         if done is None:
             return False
         s = self.stats

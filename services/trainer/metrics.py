@@ -35,6 +35,8 @@ STEP_GAUGES: dict[str, Gauge] = {
         ("tokens_per_s", "Packed tokens trained per second of step wall time, last step."),
         ("train_tokens_per_s", "The core's tokens trained per second of its training time (waits for rollouts "
                                "left out), last step."),
+        ("compute_s_max", "Longest time one participant (core or replica) spent training its micro-batches, "
+                          "last step, seconds."),
         ("step_time_s", "Wall time of the last step, seconds (first micro-batch to publish)."),
         ("world_size", "Replicas (core included) in the last step's all-reduce."),
         ("weight_version", "Latest published weight version."),

@@ -93,7 +93,10 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
     torch.set_num_threads(1)
     ref_weights, ref_metrics = _reference()
 
-    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0)
+    published: dict[int, dict[str, float]] = {}  # what the scheduler is told each update measured
+    core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0,
+                       reporter=lambda job, step, phase, version, measured=None:
+                       published.setdefault(step, dict(measured or {})) if phase == "published" else None)
     core.weights.keep = STEPS + 1
     servicer = TrainerServicer(core)
     server = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
@@ -177,6 +180,10 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
             for key in ("loss", "pg_loss", "entropy", "clip_frac", "tokens", "micro_batches", "weight_sum"):
                 assert got_m[key] == pytest.approx(ref_m[key], rel=1e-5, abs=1e-6), (step, key)
             assert got_m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-4), step
+            # the cost sample: every participant's tokens over the longest share any of them computed
+            sample = published[step]
+            assert sample["tokens"] == got_m["tokens"] and sample["world_size"] == got_m["world_size"], step
+            assert sample["compute_s"] == max(got_m["compute_s"], got_m["compute_s_max"]) > 0, step
             got_w = core.weights.get(step + 1)
             for name, ref_t in ref_weights[step].items():
                 torch.testing.assert_close(got_w[name], ref_t, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")

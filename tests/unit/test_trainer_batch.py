@@ -118,6 +118,28 @@ def test_learner_rejects_before_touching_gradients(batch: PackedBatch) -> None:
     assert learner.stats.counts["micro_batches"] == 1
 
 
+def test_a_steps_compute_time_is_its_longest_share_whoever_trained(batch: PackedBatch) -> None:
+    """Each participant times the micro-batches it trains; the step's statistics carry the longest
+    share through a hand-off or the all-reduce (MAX), so a step whose every micro-batch a replica
+    trained, the core none, still measures what its compute took (the scheduler's cost sample)."""
+    replica = build_learner(TrainerJob(job_id="j", model="tiny", source="synthetic"), "cpu")
+    replica.begin_step(3, 0)
+    assert replica.train(batch)
+    took = replica.stats.compute_s
+    assert took > 0
+    assert not replica.train(batch, commit=lambda: False)  # a refused ack's forward took time too
+    assert replica.stats.compute_s > took
+    core = build_learner(TrainerJob(job_id="j", model="tiny", source="synthetic"), "cpu")
+    core.begin_step(3, 0)  # trains nothing itself
+    core.stats.merge(replica.stats.vector(), replica.stats.extrema())
+    shorter = type(core.stats)(compute_s=replica.stats.compute_s / 4)  # a third participant's share
+    core.stats.merge(shorter.vector(), shorter.extrema())
+    d = core.stats.as_dict()
+    assert d["compute_s_max"] == replica.stats.compute_s and d["micro_batches"] == 1
+    replica.begin_step(4, 1)
+    assert replica.stats.compute_s == 0.0  # per step
+
+
 def test_learner_trains_a_long_batch_in_chunks_to_the_same_sums(batch: PackedBatch) -> None:
     """A job's chunk_tokens below the batch's length, or the packer's piece plan (pieces that start
     inside attention blocks): the learner trains it in chunks and reaches the same gradient sums and

@@ -92,6 +92,7 @@ def test_mismatch_splits_into_the_engines_gap_and_staleness() -> None:
     assert d["mismatch_kl_fresh"] == pytest.approx((k3[0] + k3[1]) / 2, abs=1e-6)
     assert d["mismatch_kl_stale"] == pytest.approx((k3[2] + k3[3]) / 2, abs=1e-6)
     assert d["fresh_logp_dev_max"] == pytest.approx(3.0)
+    assert d["compute_s_max"] == 0.0  # nobody timed a micro-batch here
     assert "fresh_weight" not in d
     # no target fresh: the fresh figures are 0, the stale ones all of the mismatch
     none = policy_loss(logp, old, adv, w, config=ObjectiveConfig())
