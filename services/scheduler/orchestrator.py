@@ -17,6 +17,12 @@ One loop per scheduler deployment (the instance holding the ``leader`` lease in 
       pending switches with no worker here (a crash, a leader change): carry them out again
       (actuators are idempotent per switch id) or roll back those older than switch_timeout_s
 
+A failed switch is rolled back: the actuator puts the cell back in its old role. When a service the
+rollback needs does not answer (the trainer or the gateway killed mid-switch, restarting), it is
+tried again with backoff for up to restore_timeout_s, the cell still SWITCHING meanwhile: the
+registry never shows a role (ROLLOUT, say) that the cell does not serve (its engine left routing
+by the drain), which no policy decision would then repair.
+
 The actuator is the seam to the outside (``actuators.py``): the gateway drains the cell's engine
 (migrating its in-flight requests, so no execution is interrupted) and the trainer takes or gives
 back the replica; or a cell daemon does the same on its cell. Each switch's duration goes to
@@ -37,7 +43,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from services.common.errors import FailedPrecondition, GyreError
+from services.common.errors import FailedPrecondition, GyreError, Unavailable
 from services.common.logging import get_logger
 from services.common.metrics import REGISTRY
 from services.scheduler.controller import JobController
@@ -89,10 +95,14 @@ class TimeoutScorer(Protocol):
     def __call__(self, *, job_id: str, execution_id: str, step: int, group_id: str, timeout_policy: str) -> None: ...
 
 
+class _Stopping(Exception):
+    """The orchestrator stops while a rollback waits for a service."""
+
+
 class Orchestrator:
     def __init__(self, state: SchedulerState, actuator: CellActuator, *, instance_id: str,
                  tick_interval_s: float = 0.5, leader_ttl_s: float = 10.0, cell_dead_after_s: float = 30.0,
-                 switch_timeout_s: float = 600.0, switch_workers: int = 8,
+                 switch_timeout_s: float = 600.0, restore_timeout_s: float = 120.0, switch_workers: int = 8,
                  metrics_event_interval_s: float = 5.0, lease_ttl_s: float = 60.0,
                  timeout_scorer: TimeoutScorer | None = None, controller: JobController | None = None,
                  usage: Callable[[str], Mapping[str, Any] | None] | None = None,
@@ -119,6 +129,7 @@ class Orchestrator:
         self.leader_ttl_s = leader_ttl_s
         self.cell_dead_after_s = cell_dead_after_s
         self.switch_timeout_s = switch_timeout_s
+        self.restore_timeout_s = restore_timeout_s
         self.metrics_event_interval_s = metrics_event_interval_s
         self.lease_ttl_s = lease_ttl_s
         self._leading = False
@@ -395,13 +406,45 @@ class Orchestrator:
                           error=str(exc))
             error = f"{type(exc).__name__}: {exc}"
             try:
-                self.actuator.switch(cell, to_role, from_role, switch_id=switch_id + "-rollback", job=job,
-                                     migrate_to=())
-            except Exception as exc2:  # deliberate: the cell's heartbeat will report what it runs
+                self._restore(cell, from_role, to_role, switch_id, job)
+            except _Stopping:  # left in flight: the next leader's recovery carries it out again
+                bound.info("rollback left to recovery: the orchestrator stops")
+                with self._lock:
+                    self._inflight.pop(cell.cell_id, None)
+                return
+            except Exception as exc2:  # deliberate: the switch is still ended, with both errors
                 error += f"; restoring {from_role.value} also failed: {exc2}"
+                bound.error("switch rolled back without restoring the cell's role", from_role=from_role.value,
+                            error=str(exc2))
             self._end(cell.cell_id, switch_id, job.job_id, False, error, from_role, to_role)
             return
         self._end(cell.cell_id, switch_id, job.job_id, True, "", from_role, to_role)
+
+    def _restore(self, cell: CellRecord, from_role: CellRole, to_role: CellRole, switch_id: str,
+                 job: JobStatus) -> None:
+        """Put ``cell`` back in ``from_role`` after its switch to ``to_role`` failed. A service the
+        rollback needs that does not answer (Unavailable: killed and restarting) is asked again with
+        backoff for up to ``restore_timeout_s``; any other error, or the last one, is raised.
+        Raises ``_Stopping`` when the orchestrator stops meanwhile."""
+        deadline = time.monotonic() + self.restore_timeout_s
+        pause, tries = 0.25, 0
+        while True:
+            try:
+                self.actuator.switch(cell, to_role, from_role, switch_id=switch_id + "-rollback", job=job,
+                                     migrate_to=())
+                if tries:
+                    log.info("cell's role restored", cell_id=cell.cell_id, switch_id=switch_id,
+                             role=from_role.value, tries=tries + 1)
+                return
+            except Unavailable as exc:
+                tries += 1
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.info("restoring the cell's role waits for a service", cell_id=cell.cell_id,
+                         switch_id=switch_id, role=from_role.value, error=str(exc), retry_in_s=pause)
+            if self._stop.wait(pause):
+                raise _Stopping()
+            pause = min(2 * pause, 5.0)
 
     def _end(self, cell_id: str, switch_id: str, job_id: str, done: bool, error: str, from_role: CellRole,
              to_role: CellRole) -> None:

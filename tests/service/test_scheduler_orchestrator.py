@@ -9,6 +9,7 @@ AddReplica/ReleaseReplica), which needs the rollout and trainer services running
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -140,8 +141,9 @@ def test_recovery_rolls_back_switches_it_cannot_finish(sched: InProcess) -> None
     s.state.begin_switch(cell_id="gone", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
     s.state.begin_switch(cell_id="stale", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
     s.state.r.hset(s.state.keys.cell("stale"), "switch_started_ms", 1000)  # this one started long ago
+    # nothing answers at the cell's address: restoring it is given up after restore_timeout_s
     orch = Orchestrator(s.state, DaemonActuator(timeout_s=5), instance_id="restarted", switch_timeout_s=60,
-                        metrics_event_interval_s=3600)
+                        restore_timeout_s=0.5, metrics_event_interval_s=3600)
     orch.recover_switches()
     assert orch.wait_switches(30)
     log = {e.attrs["cell_id"]: e for e in s.state.switch_log()}
@@ -178,6 +180,68 @@ def test_a_migration_is_on_record_even_when_its_switch_fails_later(sched: InProc
     assert len(moved) == 1 and moved[0].attrs["migrated"] == "2" and moved[0].attrs["cell_id"] == "c1"
     (ended,) = [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c1"]
     assert ended.kind == "switch_rolled_back" and "no new replicas" in ended.attrs["error"]
+
+
+class _TrainerRestarting:
+    """The services actuator's course when the trainer is killed mid-switch: the drain took the
+    engine out of routing, the replica's AddReplica lost its trainer, and the rollback (release at
+    the trainer, then the engine back into routing) finds no trainer until ``down_for`` tries have
+    failed (its supervisor restarts it). Records the cell's registry role at each rollback try."""
+
+    def __init__(self, state: object, down_for: int) -> None:
+        self.state, self.down_for = state, down_for
+        self.rollbacks: list[CellRole] = []
+        self.asked = threading.Event()
+
+    def switch(self, cell: object, from_role: CellRole, to_role: CellRole, *, switch_id: str, job: object,
+               migrate_to: object, on_migrated: Callable[[Mapping[str, str]], None] | None = None) -> None:
+        if not switch_id.endswith("-rollback"):
+            raise Unavailable("Stream removed (Socket closed)")
+        self.rollbacks.append(self.state.list_cells(["c1"])[0].role)  # type: ignore[attr-defined]
+        if len(self.rollbacks) >= 2:
+            self.asked.set()
+        if len(self.rollbacks) <= self.down_for:
+            raise Unavailable("failed to connect to all addresses")
+        return None
+
+
+def test_a_rollback_waits_for_a_restarting_service_and_restores_the_role(sched: InProcess) -> None:
+    """A switch fails because the trainer was killed, and its rollback finds no trainer either: the
+    rollback is tried again until the trainer is back, the cell SWITCHING meanwhile (never ROLLOUT
+    while its engine is out of routing: no decision would bring it back), then ROLLOUT again."""
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC, cell_ids=("c1",)))
+    s.client.register_cell(cell_id="c1", address="127.0.0.1:1", role=CellRole.ROLLOUT)
+    s.state.begin_switch(cell_id="c1", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
+    actuator = _TrainerRestarting(s.state, down_for=3)
+    orch = Orchestrator(s.state, actuator, instance_id="t", switch_timeout_s=600, restore_timeout_s=600,
+                        metrics_event_interval_s=3600)
+    orch.recover_switches()
+    assert orch.wait_switches(60)
+    assert actuator.rollbacks == [CellRole.SWITCHING] * 4
+    (ended,) = [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c1"]
+    assert ended.kind == "switch_rolled_back" and "Socket closed" in ended.attrs["error"]
+    assert "also failed" not in ended.attrs["error"]
+    assert roles(s) == {"c1": CellRole.ROLLOUT} and s.state.pending_switches() == []
+
+
+def test_a_rollback_still_waiting_when_the_orchestrator_stops_is_left_to_recovery(sched: InProcess) -> None:
+    """The scheduler stops (a restart, a leader change) while a rollback waits for the trainer: the
+    switch stays in flight in Redis, for the next leader's recovery to carry out, not ended with
+    the cell in a role it does not serve."""
+    s = sched
+    s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC, cell_ids=("c1",)))
+    s.client.register_cell(cell_id="c1", address="127.0.0.1:1", role=CellRole.ROLLOUT)
+    s.state.begin_switch(cell_id="c1", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
+    actuator = _TrainerRestarting(s.state, down_for=10**6)
+    orch = Orchestrator(s.state, actuator, instance_id="t", switch_timeout_s=600, restore_timeout_s=600,
+                        metrics_event_interval_s=3600)
+    orch.recover_switches()
+    assert actuator.asked.wait(60)
+    orch.stop(timeout_s=30)
+    assert orch.switches_in_flight() == 0
+    assert [c.cell_id for c in s.state.pending_switches()] == ["c1"] and roles(s) == {"c1": CellRole.SWITCHING}
+    assert not [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c1"]
 
 
 @pytest.mark.parametrize("daemons", [("rollout", "3600")], indirect=True)
