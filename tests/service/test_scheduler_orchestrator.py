@@ -2,9 +2,10 @@
 
 Cells are ``daemon_main`` subprocesses that register over gRPC and run a real role process
 (``sleep``) that is swapped on every switch; the orchestrator (in this process, ticked by the
-test) carries switches out through ``DaemonActuator`` -> ``CellDaemon.SetRole``. What remains for
-integration is the ``ServicesActuator`` path (gateway DrainEngine with KV migration, trainer
-AddReplica/ReleaseReplica), which needs the rollout and trainer services running.
+test) carries switches out through ``DaemonActuator`` -> ``CellDaemon.SetRole``. The
+``ServicesActuator`` path (gateway DrainEngine with KV migration, trainer AddReplica/ReleaseReplica)
+runs against a real gateway, engine and trainer service here only for a rollback that waits for a
+restarting trainer; the live stack's tests (tests/e2e) drive it whole.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -242,6 +244,68 @@ def test_a_rollback_still_waiting_when_the_orchestrator_stops_is_left_to_recover
     assert orch.switches_in_flight() == 0
     assert [c.cell_id for c in s.state.pending_switches()] == ["c1"] and roles(s) == {"c1": CellRole.SWITCHING}
     assert not [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c1"]
+
+
+def test_the_services_rollback_puts_the_engine_back_once_the_killed_trainer_is_back(sched: InProcess) -> None:
+    """The ``ServicesActuator`` path with a real gateway, engine and trainer service: the trainer is
+    down (killed; its supervisor restarts it) when a ROLLOUT -> TRAIN switch runs. The drain takes
+    the engine out of routing, AddReplica fails, and so does the rollback's ReleaseReplica. The cell
+    stays SWITCHING (the policy does not count it as serving) until the trainer answers again; then
+    the rollback puts the engine back into routing and the cell is ROLLOUT. (Before, the switch
+    ended at once with the cell registered ROLLOUT and its engine out of routing, for good.)"""
+    from protos.gyre.v1 import trainer_pb2_grpc
+    from services.common.server import build_server, free_port
+    from services.rollout.client import GatewayClient
+    from services.scheduler.actuators import ServicesActuator
+    from services.trainer.core import CoreTrainer
+    from services.trainer.main import TRAINER_SERVICE
+    from services.trainer.servicer import TrainerServicer
+    from tests.support.rollout_cluster import start_engine, start_gateway
+
+    s = sched
+    tried = threading.Event()
+
+    class Watched(ServicesActuator):  # the real actuator; the test only sees a rollback fail
+        def switch(self, cell: Any, from_role: CellRole, to_role: CellRole, **kw: Any) -> dict[str, str]:
+            try:
+                return super().switch(cell, from_role, to_role, **kw)
+            except Unavailable:
+                if kw["switch_id"].endswith("-rollback"):
+                    tried.set()
+                raise
+
+    engine, gw = start_engine("c1"), start_gateway()
+    gateway = GatewayClient(gw.address, timeout_s=30)
+    port = free_port()
+    actuator = Watched(gateway_address=gw.address, trainer_address=f"127.0.0.1:{port}", timeout_s=5)
+    trainer = None
+    try:
+        gateway.register_engine("c1", engine.address)
+        s.client.submit_job(job_spec(num_steps=1, groups_per_step=1, group_size=1, mode=Mode.ELASTIC,
+                                     cell_ids=("c1",)))
+        s.client.register_cell(cell_id="c1", address="127.0.0.1:1", role=CellRole.ROLLOUT)
+        s.state.begin_switch(cell_id="c1", from_role=CellRole.ROLLOUT, to_role=CellRole.TRAIN, job_id="j1")
+        orch = Orchestrator(s.state, actuator, instance_id="t", switch_timeout_s=600, restore_timeout_s=600,
+                            metrics_event_interval_s=3600)
+        orch.recover_switches()
+        assert tried.wait(60), "the rollback never ran"
+        assert roles(s) == {"c1": CellRole.SWITCHING}
+        assert [e.cell_id for e in gateway.list_engines() if e.state == "ready"] == []
+        trainer = build_server("trainer", [(trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                            TrainerServicer(CoreTrainer()))],
+                               service_names=[TRAINER_SERVICE], port=port).start()  # restarted, no job yet
+        assert orch.wait_switches(60)
+        assert roles(s) == {"c1": CellRole.ROLLOUT} and s.state.pending_switches() == []
+        assert [(e.cell_id, e.state) for e in gateway.list_engines()] == [("c1", "ready")]
+        (ended,) = [e for e in s.state.switch_log() if e.attrs.get("cell_id") == "c1"]
+        assert ended.kind == "switch_rolled_back" and "also failed" not in ended.attrs["error"]
+    finally:
+        actuator.close()
+        gateway.close()
+        if trainer is not None:
+            trainer.stop(0)
+        gw.stop()
+        engine.stop()
 
 
 @pytest.mark.parametrize("daemons", [("rollout", "3600")], indirect=True)
