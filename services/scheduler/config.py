@@ -43,6 +43,8 @@ class SchedulerConfig(ServerConfig):
     lease_ttl_s: float = setting(60.0, "An execution lease expires this long after its last heartbeat.")
     cell_dead_after_s: float = setting(30.0, "A cell without a heartbeat this long is left out of decisions.")
     switch_timeout_s: float = setting(600.0, "A role switch not done after this long is rolled back.")
+    restore_timeout_s: float = setting(120.0, "A failed switch's rollback that finds a service unreachable "
+                                       "(restarting) is tried again this long, the cell SWITCHING meanwhile.")
     switch_workers: int = setting(8, "Role switches carried out concurrently.")
     metrics_event_interval_s: float = setting(5.0, "Seconds between 'metrics' events in each job's log.")
     event_maxlen: int = setting(100_000, "Events kept per job stream (older ones are trimmed).")
@@ -60,6 +62,8 @@ class SchedulerConfig(ServerConfig):
         check(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "a positive number of seconds")
         check(self.cell_dead_after_s > 0, "cell_dead_after_s", self.cell_dead_after_s, "a positive number of seconds")
         check(self.switch_timeout_s > 0, "switch_timeout_s", self.switch_timeout_s, "a positive number of seconds")
+        check(self.restore_timeout_s >= 0, "restore_timeout_s", self.restore_timeout_s,
+              "a non-negative number of seconds")
         check(self.switch_workers >= 1, "switch_workers", self.switch_workers, "at least 1")
         check(self.metrics_event_interval_s > 0, "metrics_event_interval_s", self.metrics_event_interval_s,
               "a positive number of seconds")

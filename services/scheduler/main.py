@@ -78,7 +78,8 @@ def build_scheduler(cfg: SchedulerConfig) -> Built:
     orchestrator = Orchestrator(
         state, actuator, instance_id=instance_id,
         tick_interval_s=cfg.tick_interval_s, leader_ttl_s=cfg.leader_ttl_s, cell_dead_after_s=cfg.cell_dead_after_s,
-        switch_timeout_s=cfg.switch_timeout_s, switch_workers=cfg.switch_workers,
+        switch_timeout_s=cfg.switch_timeout_s, restore_timeout_s=cfg.restore_timeout_s,
+        switch_workers=cfg.switch_workers,
         metrics_event_interval_s=cfg.metrics_event_interval_s, lease_ttl_s=cfg.lease_ttl_s,
         timeout_scorer=timeout_scorer, controller=controller, usage=usage).start()
     api.before_last_publish = orchestrator.last_metrics_event
