@@ -45,8 +45,8 @@ $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	@touch $@
 
-test: install  ## the whole suite: unit, service (real Redis + gRPC), e2e (real processes)
-	$(PY) -m pytest tests -q
+test: install  ## the whole suite: unit, service (real Redis + gRPC), e2e (real processes); lists the 25 slowest
+	$(PY) -m pytest tests -q --durations=25
 
 test-fast: install  ## everything but the live-stack (slow) tests: a few minutes
 	$(PY) -m pytest tests -q -m "not slow"
