@@ -191,17 +191,15 @@ class Learner:
         self._armed = self._abort is not None
         commit = self._committing(commit)
         try:
-            return self._train(batch, t, commit, start)
-        except MicroBatchAborted:
-            self.stats.compute_s += time.perf_counter() - start
-            raise
-        finally:
+            return self._train(batch, t, commit)
+        finally:  # this participant's share of the step's compute, refused or aborted forwards too
             self._armed = False
+            self.stats.compute_s += time.perf_counter() - start
 
-    def _train(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool], start: float) -> bool:
+    def _train(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool]) -> bool:
         device_type = self.policy.device.type
         if self.policy.chunked(t):
-            return self._train_chunked(batch, t, commit, start)
+            return self._train_chunked(batch, t, commit)
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             logp, ent = self.policy.target_logprobs(t)
             ref = None
@@ -211,10 +209,8 @@ class Learner:
         out = policy_loss(logp, t.old_logprobs, t.advantages, t.loss_weights, config=self.objective,
                           entropy=ent, ref_logprobs=ref, fresh=t.weight_version == self.version)
         if not commit():
-            self.stats.compute_s += time.perf_counter() - start
             return False
         out.loss.backward()
-        self.stats.compute_s += time.perf_counter() - start
         s = self.stats
         for k, v in out.sums.items():
             s.sums[k] += float(v)
@@ -224,8 +220,7 @@ class Learner:
         s.add_extrema(float(out.ratio_max), float(out.ratio_min), float(out.fresh_logp_dev))
         return True
 
-    def _train_chunked(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool] | None,
-                       start: float) -> bool:
+    def _train_chunked(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool] | None) -> bool:
         """``train`` for a batch longer than the policy's ``chunk_tokens``: the same gradient sum and
         statistics, one chunk's activations at a time (``TreePolicy.train_chunked``)."""
         device_type = self.policy.device.type
@@ -249,7 +244,6 @@ class Learner:
 
         with torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
             done = self.policy.train_chunked(t, loss_of, before_backward=commit)
-        self.stats.compute_s += time.perf_counter() - start
         if done is None:
             return False
         s = self.stats
