@@ -35,7 +35,8 @@ from services.rollout.host import EngineHost
 from services.rollout.servicer import EngineServicer
 from services.rollout.torch_engine import TorchEngine
 from services.trainer.client import TrainerClient
-from services.trainer.core import CoreTrainer, build_learner
+from services.trainer.core import CoreTrainer
+from services.trainer.build import build_learner
 from services.trainer.job import TrainerJob
 from services.trainer.main import TRAINER_SERVICE
 from services.trainer.model import build_model

@@ -10,7 +10,8 @@ directory of its own and stops afterwards, as ``gyre run`` does::
     for each step:
         trajectory.OpenStep -> IngestRecords (every call, ids suffixed per step) -> CompleteExecution
         (each execution's status and reward) -> CloseStep;  trainer.WaitStep
-        print one JSON line: trainable / trained tokens, loss, peak RSS of each service
+        print one JSON line: trainable / trained tokens, loss, peak RSS of each service (and of each
+        rank of a sharded trainer group: ``trainer/0``, ``trainer/1``, ...)
     down
 
 Every step replays the whole file (new execution ids per step: a packed execution takes no more
@@ -31,7 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-USAGE = ("gyre replay --records FILE.jsonl [--max-paths N] [--steps N] [--model SPEC] [--token-budget N]\n"
+USAGE = ("gyre replay --records FILE.jsonl [--max-paths N] [--steps N] [--model SPEC] [--token-budget N] "
+         "[--shards N]\n"
          "       gyre replay --trace FILE.jsonl [--time-scale X] ...  (a trace on the live stack: gyre replay "
          "--trace x --help)")
 
@@ -55,13 +57,18 @@ def replay_main(argv: Sequence[str]) -> int:
     p.add_argument("--max-paths", type=int, default=0, help="root-to-leaf paths kept per execution (0: all)")
     p.add_argument("--model", default="builtin-tiny", help="the policy to train (a name or checkpoint directory)")
     p.add_argument("--token-budget", type=int, default=16384, help="micro-batch size, tokens")
+    p.add_argument("--shards", type=int, default=1,
+                   help="ranks of the trainer group that shard the model, gradients and optimizer state (FSDP2)")
+    p.add_argument("--chunk-tokens", type=int, default=8192,
+                   help="largest forward, tokens: longer micro-batches train in chunks with the exact gradient")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute decoder-layer activations in the backward (less memory per token)")
     p.add_argument("--data-dir", default="", help="where the services keep their state (default: a temp dir)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="longest wait for one step")
     args = p.parse_args(list(argv))
     for name, value, least in (("--steps", args.steps, 1), ("--max-paths", args.max_paths, 0),
-                               ("--token-budget", args.token_budget, 1)):
+                               ("--token-budget", args.token_budget, 1), ("--shards", args.shards, 1),
+                               ("--chunk-tokens", args.chunk_tokens, 0)):
         if value < least:
             print(f"gyre replay: {name} must be at least {least}, got {value}", file=sys.stderr)
             return 2
@@ -102,7 +109,8 @@ def _replay(args: argparse.Namespace, calls: list[Any], executions: dict[str, An
         trainer = TrainerClient(up["trainer"].address)
         trainer.start_job(TrainerJob(job_id=job_id, model=args.model, source="trajectory",
                                      trajectory_address=up["trajectory"].address, num_steps=args.steps,
-                                     activation_checkpointing=args.activation_checkpointing))
+                                     activation_checkpointing=args.activation_checkpointing, shards=args.shards,
+                                     chunk_tokens=args.chunk_tokens))
         groups = {eid: e.group_id or eid for eid, e in executions.items()}
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -117,11 +125,15 @@ def _replay(args: argparse.Namespace, calls: list[Any], executions: dict[str, An
             report = trainer.wait_step(step, timeout_s=args.timeout_s)
             trainable = sum(traj.execution_stats(eid + suffix, job_id=job_id).trainable_tokens for eid in executions)
             metrics = dict(report.metrics)
+            peak = {name: _peak_rss_mib(r.pid) for name, r in up.items()}
+            # a sharded group's ranks (rank 0 is the trainer service itself), as the trainer measured them
+            peak.update({f"trainer/{r}": round(metrics[f"peak_rss_mib_rank{r}"], 1) for r in range(args.shards)
+                         if f"peak_rss_mib_rank{r}" in metrics})
             print(json.dumps({
                 "step": step, "executions": len(executions), "trainable_tokens": trainable,
                 "trained_tokens": int(metrics.get("num_targets", 0)), "packed_tokens": int(metrics.get("tokens", 0)),
                 "loss": metrics.get("loss"), "seconds": round(time.perf_counter() - t0, 2),
-                "peak_rss_mib": {name: _peak_rss_mib(r.pid) for name, r in up.items()}}), flush=True)
+                "peak_rss_mib": peak}), flush=True)
         trainer.stop_job(job_id)
         return 0
     except Exception as exc:  # deliberate: one sentence, and the services go down below

@@ -16,7 +16,6 @@ rendezvous on lives as long as the CoreTrainer.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import threading
@@ -32,34 +31,16 @@ from services.common.logging import get_logger
 from services.common.memory import release_free_memory, rss_bytes
 from services.trainer import checkpoint as ckpt
 from services.trainer import metrics as m
+from services.trainer.group import GroupRank, ShardGroup, check_group
 from services.trainer.elastic import ReduceCalledOff, Seal, StepMembership, all_reduce_step, arrive, open_group
 from services.trainer.job import TrainerJob
+from services.trainer.build import build_learner
 from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
-from services.trainer.model import build_model
 from services.trainer.journal import StepJournal, journal_for
-from services.trainer.sources import BatchSource, open_source, train_delivery
-from services.trainer.tree_forward import TreePolicy
+from services.trainer.sources import BatchSource, claim_delivery, open_source, train_delivery
 from services.trainer.weights import PublishReport, WeightStore, push_to_engines, state_bytes
 
 log = get_logger(__name__)
-
-
-def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
-    """Model + tree policy + learner for ``job`` (the same on the core and on every replica)."""
-    model = build_model(job.model, dtype=torch.float32, device=device, seed=job.seed,
-                        attention="flex" if job.attention == "flex" else "sdpa", model_cache_dir=job.model_cache_dir)
-    policy = TreePolicy(model, attention=job.attention, temperature=job.temperature,
-                        max_dense_tokens=job.max_dense_tokens, checkpoint_layers=job.activation_checkpointing,
-                        chunk_tokens=job.chunk_tokens)
-    ref = None
-    if job.kl_reference == "initial" and job.objective.kl_coef > 0:
-        ref_model = copy.deepcopy(model).eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-        ref = TreePolicy(ref_model, attention=job.attention, temperature=job.temperature,
-                         max_dense_tokens=job.max_dense_tokens)
-    vocab = int(model.config.vocab_size)  # type: ignore[union-attr, arg-type]
-    return Learner(policy, job.objective, vocab_size=vocab, ref_policy=ref, compute_dtype=job.torch_dtype)
 
 
 def backend_for(device: torch.device) -> str:
@@ -88,6 +69,7 @@ class _JobState:
     reports: list[StepReport] = field(default_factory=list)
     handoffs: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     journal: StepJournal | None = None
+    group: ShardGroup | None = None  # job.shards > 1: the sharded trainer group this core is rank 0 of
     phase: str = "starting"
     error: str = ""
 
@@ -102,7 +84,7 @@ class CoreTrainer:
     def __init__(self, *, store_host: str = "127.0.0.1", store_port: int = 0, advertise_host: str = "",
                  member_timeout_s: float = 300.0, replica_silence_s: float = 20.0,
                  collective_timeout_s: float = 600.0,
-                 publish_chunk_bytes: int = 4 << 20,
+                 publish_chunk_bytes: int = 4 << 20, rank_log_dir: str = ".gyre/logs",
                  reporter: Callable[..., None] | None = None) -> None:
         # replica id -> False once its process is known dead (the servicer wires the replicas it spawned)
         self.replica_alive: Callable[[str], bool | None] = _unknown_replica
@@ -116,6 +98,7 @@ class CoreTrainer:
         self.replica_silence_s = replica_silence_s
         self.collective_timeout_s = collective_timeout_s
         self.publish_chunk_bytes = publish_chunk_bytes
+        self.rank_log_dir = rank_log_dir  # logs of a sharded group's ranks 1..N-1
         self.reporter = reporter
         self.weights = WeightStore()
         self.membership: StepMembership | None = None
@@ -132,9 +115,13 @@ class CoreTrainer:
             if self._state is not None and self._state.phase not in ("done", "failed", "stopped"):
                 raise FailedPrecondition(f"job {self._state.job.job_id!r} is still running")
             torch.manual_seed(job.seed)
-            device = torch.device(job.device)
-            learner = build_learner(job, device)
-            updater = Updater(learner.model, job.optim)
+            group = self._start_group(job) if job.shards > 1 else None
+            if group is not None:
+                assert group.rank0 is not None
+                learner, updater = group.rank0.learner, group.rank0.updater
+            else:
+                learner = build_learner(job, torch.device(job.device))
+                updater = Updater(learner.model, job.optim)
             step, version = job.start_step, job.start_step
             if job.checkpoint_dir and job.resume:
                 path = ckpt.latest_checkpoint(job.checkpoint_dir)
@@ -156,9 +143,10 @@ class CoreTrainer:
             if journal is not None and not job.resume:
                 journal.clear()
             self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
-                                    version=version, journal=journal)
+                                    version=version, journal=journal, group=group)
             self.weights.reset()  # versions count per job: a previous job's must not answer for this one's
-            snapshot = self.weights.publish(learner.model, version)
+            state, copy_ = self._full_state(self._state)
+            snapshot = self.weights.publish_state(state, version, copy=copy_)
             self._stop.clear()
         if job.engine_addresses:
             # The engines serve this job's weights from its first call on: the job's model (a
@@ -169,6 +157,38 @@ class CoreTrainer:
             self._thread = threading.Thread(target=self._run, name=f"trainer-{job.job_id}", daemon=True)
             self._thread.start()
 
+    def _start_group(self, job: TrainerJob) -> ShardGroup:
+        """Rank 0 of a sharded group: this process's rank, the others started and joined."""
+        try:
+            check_group(job)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        group = ShardGroup(job, store=self.store, store_host=self.store_host, store_port=self.store_port,
+                           log_dir=self.rank_log_dir, timeout_s=self.collective_timeout_s)
+        try:
+            group.start(GroupRank(job, 0))
+        except BaseException:
+            group.close(clean=False)
+            raise
+        return group
+
+    @staticmethod
+    def _close_group(st: _JobState, *, clean: bool) -> None:
+        if st.group is None:
+            return
+        try:
+            st.group.close(clean=clean)
+        except Exception as exc:  # deliberate: the job's outcome stands; the ranks were killed
+            log.error("closing the trainer group failed", job_id=st.job.job_id, error=str(exc))
+
+    @staticmethod
+    def _full_state(st: _JobState) -> tuple[dict[str, torch.Tensor], bool]:
+        """The whole model's weights, and whether they still need a copy (a sharded group's are
+        gathered onto rank 0 as copies, a tensor at a time; a whole model's are its own)."""
+        if st.group is not None:
+            return st.group.gather(), False
+        return st.learner.model.state_dict(), True
+
     def _run(self) -> None:
         st = self._require()
         # this job's: once the phase says done, the next StartJob may already have replaced it
@@ -176,10 +196,13 @@ class CoreTrainer:
         try:
             while st.step < st.job.num_steps and not self._stop.is_set():
                 self.run_step()
+            self._close_group(st, clean=True)  # before the phase: the next job may form its own at once
             self._set_phase("stopped" if self._stop.is_set() else "done")
         except Exception as exc:  # the job fails loudly; the service stays up to report it
             log.exception("trainer job failed", job_id=st.job.job_id, step=st.step)
-            st.error = f"{type(exc).__name__}: {exc}"
+            ended = st.group.ended_ranks() if st.group is not None else ""  # a rank that died fails the step
+            st.error = f"{ended + ': ' if ended else ''}{type(exc).__name__}: {exc}"
+            self._close_group(st, clean=False)
             self._set_phase("failed")
         finally:
             if membership is not None:
@@ -196,6 +219,8 @@ class CoreTrainer:
             self._thread.join(timeout_s)
         st = self._state
         if st is not None:
+            if self._thread is None or not self._thread.is_alive():
+                self._close_group(st, clean=True)
             st.source.close()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -213,18 +238,23 @@ class CoreTrainer:
         # Batches taken before a restart: committed in the journal before anyone can pull this step.
         replay = st.journal.replay(step) if st.journal is not None else []
         self.membership.open_step(step, version)
-        learner.begin_step(step, version)
+        if st.group is not None:
+            st.group.begin(step, version)
+        else:
+            learner.begin_step(step, version)
         self._set_phase("training")
         self._report(job, step, "started", version)
-        for batch_id, batch in replay:
-            learner.train(batch)
-            log.info("replayed journaled micro-batch", job_id=job.job_id, step=step, batch_id=batch_id)
+        width = st.group.world if st.group is not None else 1
+        for i in range(0, len(replay), width):
+            chunk = replay[i:i + width]
+            if st.group is not None:
+                st.group.train([batch for _, batch in chunk])
+            else:
+                learner.train(chunk[0][1])
+            log.info("replayed journaled micro-batches", job_id=job.job_id, step=step,
+                     batch_ids=[batch_id for batch_id, _ in chunk])
         slog = log.bind(job_id=job.job_id)
-        compute_s = 0.0  # time spent training (not waiting for the step's rollouts)
-        while (d := st.source.next(step)) is not None:
-            t_batch = time.perf_counter()
-            train_delivery(learner, d, step=step, journal=st.journal, log=slog)
-            compute_s += time.perf_counter() - t_batch
+        _, compute_s = self._drain(st, step, slog)  # compute_s: training, not waiting for the step's rollouts
         train_s = time.perf_counter() - start
         own_tokens = float(learner.stats.as_dict().get("tokens", 0.0))  # the core's share, before the reduce
 
@@ -251,10 +281,16 @@ class CoreTrainer:
         retrained, handed_back = self._retrain_lost(st, step, slog)
 
         self._set_phase("updating")
-        grad_norm = st.updater.apply(step)
+        if st.group is not None:  # statistics reduced over the ranks, each rank's shard updated
+            grad_norm = st.group.finish(step)
+            own_tokens = float(learner.stats.as_dict().get("tokens", 0.0))  # the group trains as one
+        else:
+            grad_norm = st.updater.apply(step)
         new_version = version + 1
         snap_t0 = time.perf_counter()
-        snapshot = self.weights.publish(learner.model, new_version)
+        state, copy_ = self._full_state(st)
+        snapshot = self.weights.publish_state(state, new_version, copy=copy_)
+        del state
         publish = self._push(snapshot, new_version, job, snapshot_s=time.perf_counter() - snap_t0)
         step_s = time.perf_counter() - start
         with self._lock:
@@ -267,7 +303,9 @@ class CoreTrainer:
                        compute_s=compute_s, train_tokens_per_s=own_tokens / compute_s if compute_s > 0 else 0.0,
                        weight_version=float(new_version), publish_s=publish.engines_s,
                        evicted=float(evicted), retrained=float(retrained), handed_back=float(handed_back),
-                       publish_mb=publish.num_bytes / 1e6)
+                       publish_mb=publish.num_bytes / 1e6, shards=float(job.shards))
+        if st.group is not None:
+            metrics.update({f"peak_rss_mib_rank{r}": v for r, v in enumerate(st.group.peak_rss_mib)})
         m.record_step(metrics)
         m.REDUCE_TIME.observe(reduce_s)
         report = StepReport(step=step, version=new_version, metrics=metrics, participants=participants,
@@ -303,6 +341,40 @@ class CoreTrainer:
                  train_tok_s=round(metrics["train_tokens_per_s"], 1), rss_mb=rss_bytes() >> 20)
         return report
 
+    def _drain(self, st: _JobState, step: int, slog: Any) -> tuple[int, float]:
+        """Train what the step's queue hands this trainer until it is dry: (micro-batches trained,
+        seconds spent training them). A sharded group takes them a round at a time, one per rank
+        (the last round of the step padded), each validated, journaled and acknowledged here first."""
+        trained, seconds = 0, 0.0
+        if st.group is None:
+            while (d := st.source.next(step)) is not None:
+                t0 = time.perf_counter()
+                trained += train_delivery(st.learner, d, step=step, journal=st.journal, log=slog)
+                seconds += time.perf_counter() - t0
+            return trained, seconds
+        dry = False
+        while not dry:
+            batches: list[Any] = []
+            while len(batches) < st.group.world:
+                if (d := st.source.next(step)) is None:
+                    dry = True
+                    break
+                if (batch := claim_delivery(st.learner, d, step=step, journal=st.journal, log=slog)) is not None:
+                    batches.append(batch)
+            if batches:
+                t0 = time.perf_counter()
+                st.group.train(batches)
+                elapsed = time.perf_counter() - t0
+                seconds += elapsed
+                trained += len(batches)
+                tokens = sum(len(b.input_ids) for b in batches)
+                m.MICRO_BATCHES.inc(len(batches))
+                m.TOKENS.inc(tokens)
+                slog.info("micro-batches trained by the group", step=step, micro_batches=len(batches),
+                          ranks=st.group.world, tokens=tokens, seconds=round(elapsed, 3),
+                          tok_s=round(tokens / max(elapsed, 1e-9), 1))
+        return trained, seconds
+
     def _retrain_lost(self, st: _JobState, step: int, slog: Any) -> tuple[int, int]:
         """Train here what left the step untrained: the micro-batches evicted replicas (dead, or
         silent past member_timeout_s) had acknowledged -- their gradient sums died with them -- and
@@ -321,9 +393,7 @@ class CoreTrainer:
                           job_id=st.job.job_id, step=step, replicas=lost)
             else:
                 reopened = int(reopen(step, lost))
-        trained = 0
-        while (d := st.source.next(step)) is not None:
-            trained += train_delivery(st.learner, d, step=step, journal=st.journal, log=slog)
+        trained, _ = self._drain(st, step, slog)
         retrained, handed_back = min(trained, reopened), max(0, trained - reopened)
         if lost:
             log.warning("retrained the micro-batches of evicted replicas", job_id=st.job.job_id, step=step,
@@ -373,6 +443,13 @@ class CoreTrainer:
             log.warning("step report failed", job_id=job.job_id, step=step, phase=phase, error=str(exc))
 
     # -- replica-facing operations (called by the servicer) ---------------------------------------
+    def check_replicas_join(self) -> None:
+        """Refuse a replica for a job trained by a sharded group (one sentence)."""
+        st = self._state
+        if st is not None and st.job.shards > 1:
+            raise FailedPrecondition(f"job {st.job.job_id!r} trains on a sharded group of {st.job.shards} ranks; "
+                                     f"replica groups joining it mid-step are not built yet")
+
     def hand_off(self, replica_id: str, step: int, grads: dict[str, torch.Tensor]) -> None:
         """Take the gradient sum of a replica leaving ``step`` mid-way, then drop it from the step."""
         st = self._require()

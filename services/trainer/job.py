@@ -97,6 +97,10 @@ class TrainerJob:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (less
     memory per micro-batch token, about one more forward of compute)."""
+    shards: int = 1
+    """Ranks of the core's trainer group, which shard parameters, gradients and optimizer state
+    (FSDP2): per-rank memory ~ 1/shards of the training state. 1: one process holds the whole
+    model. CPU ranks share the host's cores; CUDA ranks take one device each from ``device`` on."""
 
     def __post_init__(self) -> None:
         if not self.job_id or "/" in self.job_id:
@@ -125,6 +129,14 @@ class TrainerJob:
             raise ValueError(f"chunk_tokens must be >= 0 (0: never chunk), got {self.chunk_tokens}")
         if self.max_dense_tokens < 1:
             raise ValueError(f"max_dense_tokens must be >= 1, got {self.max_dense_tokens}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1 (ranks of the trainer group), got {self.shards}")
+        if self.shards > 1 and self.checkpoint_dir:
+            raise ValueError("checkpoints of a sharded trainer group (torch DCP) are not built yet: run shards > 1 "
+                             "without checkpoint_dir, or shards = 1")
+        if self.shards > 1 and self.kl_reference == "initial" and self.objective.kl_coef > 0:
+            raise ValueError("a KL term to the initial weights is not built yet for a sharded trainer group: use "
+                             "kl_reference 'behaviour', or shards = 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

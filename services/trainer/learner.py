@@ -196,6 +196,26 @@ class Learner:
             self._armed = False
             self.stats.compute_s += time.perf_counter() - start
 
+    def train_in_round(self, batch: PackedBatchLike | None, forwards: int) -> bool:
+        """This rank's part of a round of a sharded group (services.trainer.group): every rank runs
+        ``forwards`` forward pieces (the most any rank's batch of the round needs) in each pass, its
+        own batch's and padding (``TreePolicy.pad``; all of it without a batch), so the ranks issue
+        the same collectives. The batch was validated and acknowledged by rank 0. True if trained."""
+        start = time.perf_counter()
+        self.model.train()
+        try:
+            if batch is None:
+                self.policy.pad(forwards=forwards if forwards > 1 else 0, backwards=forwards)
+                return False
+            self.check(batch)
+            t = TreeTensors.from_batch(batch, self.policy.device)
+            if forwards == 1:
+                assert not self.policy.chunked(t), "a chunked batch in a round of one forward"
+                return self._train(batch, t, lambda: True)
+            return self._train_chunked(batch, t, None, pad_to=forwards)
+        finally:
+            self.stats.compute_s += time.perf_counter() - start
+
     def _train(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool]) -> bool:
         device_type = self.policy.device.type
         if self.policy.chunked(t):
@@ -220,7 +240,8 @@ class Learner:
         s.add_extrema(float(out.ratio_max), float(out.ratio_min), float(out.fresh_logp_dev))
         return True
 
-    def _train_chunked(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool] | None) -> bool:
+    def _train_chunked(self, batch: PackedBatchLike, t: TreeTensors, commit: Callable[[], bool] | None,
+                       pad_to: int = 0) -> bool:
         """``train`` for a batch longer than the policy's ``chunk_tokens``: the same gradient sum and
         statistics, one chunk's activations at a time (``TreePolicy.train_chunked``)."""
         device_type = self.policy.device.type
@@ -243,7 +264,7 @@ class Learner:
             return out.loss
 
         with torch.autocast(device_type, **autocast):  # type: ignore[arg-type]
-            done = self.policy.train_chunked(t, loss_of, before_backward=commit)
+            done = self.policy.train_chunked(t, loss_of, before_backward=commit, pad_to=pad_to)
         if done is None:
             return False
         s = self.stats
@@ -363,7 +384,10 @@ class Updater:
             group["lr"] = self.config.lr_at(step)
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # a sharded group's gradients are DTensors: the norm is one too, over every rank's shards
+        full_tensor = getattr(total, "full_tensor", None)
+        norm = float(full_tensor() if full_tensor is not None else total)
         if not math.isfinite(norm):
             # A non-finite gradient would poison the weights; skip the update, keep the version.
             self.optimizer.zero_grad(set_to_none=True)

@@ -43,7 +43,8 @@ def build_trainer(cfg: TrainerConfig) -> Built:
     core = CoreTrainer(store_host=cfg.store_host, store_port=cfg.store_port, advertise_host=advertise,
                        member_timeout_s=cfg.member_timeout_s, replica_silence_s=cfg.replica_silence_s,
                        collective_timeout_s=cfg.collective_timeout_s,
-                       publish_chunk_bytes=cfg.publish_chunk_mb << 20, reporter=scheduler_reporter())
+                       publish_chunk_bytes=cfg.publish_chunk_mb << 20, rank_log_dir=cfg.replica_log_dir,
+                       reporter=scheduler_reporter())
     from services.trainer.handoff import SharedHandoff
 
     handoff = SharedHandoff.open() if cfg.shared_handoff else None

@@ -36,7 +36,8 @@ from services.common.errors import FailedPrecondition, GyreError
 from services.common.logging import get_logger
 from services.common.memory import release_free_memory, rss_bytes
 from services.trainer.client import Interrupted, TrainerClient
-from services.trainer.core import backend_for, build_learner
+from services.trainer.core import backend_for
+from services.trainer.build import build_learner
 from services.trainer.elastic import JoinTicket, ReduceCalledOff, all_reduce_step, arrive, open_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import Learner

@@ -267,3 +267,29 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
     log.info("micro-batch trained", batch_id=d.batch_id, step=step, tokens=len(d.batch.input_ids),
              seconds=round(seconds, 3), tok_s=round(len(d.batch.input_ids) / max(seconds, 1e-9), 1))
     return True
+
+
+def claim_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: Any) -> PackedBatchLike | None:
+    """Take a handed-out micro-batch for a sharded group's round: validated, journaled and
+    acknowledged before any rank trains it (the group is the queue's consumer; its ranks cannot
+    give a batch back mid-round). None for a batch already trained (journal replay: acked), a
+    malformed one (rejected) or one the queue re-handed meanwhile (refused ack)."""
+    from services.common.errors import FailedPrecondition, InvalidArgument
+    from services.trainer import metrics as m
+    from services.trainer.journal import journaled_ack
+
+    if journal is not None and journal.committed(step, d.batch_id):
+        d.ack()
+        log.info("micro-batch already trained (journal replay); skipped", batch_id=d.batch_id, step=step)
+        return None
+    try:
+        learner.check(d.batch)
+    except (InvalidArgument, FailedPrecondition) as exc:
+        m.REJECTED.labels(reason=type(exc).__name__).inc()
+        log.error("micro-batch rejected", batch_id=d.batch_id, step=step, error=str(exc))
+        d.reject(str(exc))
+        return None
+    if not journaled_ack(journal, step, d.batch_id, d.batch, d.ack)():
+        log.warning("micro-batch re-handed before its ack; not trained", batch_id=d.batch_id, step=step)
+        return None
+    return d.batch

@@ -124,14 +124,21 @@ def tree_block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return torch.cat(outs, dim=2)
 
 
-@dataclass
 class ChunkKV:
     """Keys/values across the chunks of one long micro-batch (``TreePolicy``'s chunked training):
     ``past[layer]`` = (keys, values) of every token before the chunk, prepended to the chunk's own;
-    the attention stores the chunk's own (post-RoPE, before any GQA repeat) in ``own[layer]``."""
+    the attention stores the chunk's own (post-RoPE, before any GQA repeat) in ``own[layer]``.
 
-    past: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    own: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    A plain class, not a dataclass: FSDP's forward hooks rebuild the dataclasses and dicts they find
+    in a module's arguments (to wrap their tensors), so every decoder layer of a sharded model would
+    store its keys in a copy; an object of a plain class reaches every layer as itself."""
+
+    __slots__ = ("past", "own")
+
+    def __init__(self, *, past: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 own: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.past = past
+        self.own = own
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

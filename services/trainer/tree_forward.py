@@ -266,7 +266,6 @@ class TreePolicy:
         self.flex_block_size = flex_block_size
         self.sparse_block_tokens = sparse_block_tokens  # query/KV block of the "blocks" backend
         self.logits_chunk_tokens = logits_chunk_tokens
-        self.decoder = model.get_decoder()  # type: ignore[operator]
         self.lm_head = model.get_output_embeddings()  # type: ignore[operator]
         self.checkpoint_layers = checkpoint_layers
         if chunk_tokens < 0:
@@ -285,6 +284,17 @@ class TreePolicy:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over a trainer group (services.trainer.sharding)."""
+        return hasattr(self.model, "gyre_decode")
+
+    @property
+    def decoder(self) -> Any:
+        # a sharded model runs its decoder through ``gyre_decode``, a forward method FSDP knows of
+        # (the root unit's parameters, embeddings and head, gathered before the embeddings run)
+        return self.model.gyre_decode if self.sharded else self.model.get_decoder()  # type: ignore[operator]
 
     def backend_for(self, num_tokens: int) -> str:
         if self.attention != "auto":
@@ -324,8 +334,18 @@ class TreePolicy:
     def target_logprobs(self, t: TreeTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [T], entropy [T]) of the batch's targets, differentiable w.r.t. the model."""
         hidden = self.hidden_states(t)
-        return head_logprobs(self.lm_head, hidden[t.target_parent], t.target_ids,
-                             temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
+        logp, entropy = head_logprobs(self.lm_head, hidden[t.target_parent], t.target_ids,
+                                      temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
+        if self.sharded and torch.is_grad_enabled():
+            logp = logp + self.touch(hidden)
+        return logp, entropy
+
+    def touch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A zero that depends on every parameter (the head on one token): added to what a sharded
+        rank back-propagates, so every parameter gets a gradient, zero or not, on every rank. FSDP
+        reduce-scatters only the gradients that exist: ranks that left the head (a chunk without
+        targets, padding) out would send buffers of another size."""
+        return self.lm_head(hidden[..., :1, :]).float().sum() * 0.0
 
     # -- long batches in chunks ---------------------------------------------------------------------
     def chunked(self, t: TreeTensors) -> bool:
@@ -335,13 +355,44 @@ class TreePolicy:
     def chunk_bounds(self, t: TreeTensors) -> list[tuple[int, int]]:
         """The ``[start, stop)`` token ranges ``train_chunked`` runs a forward over: the batch's
         pieces (one piece without a plan), each cut further into ``chunk_tokens`` if longer."""
-        n, c = t.num_tokens, self.chunk_tokens
-        starts = list(t.piece_starts) or [0]
+        return self.bounds_of(t.num_tokens, t.piece_starts)
+
+    def bounds_of(self, num_tokens: int, piece_starts: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
+        """``chunk_bounds`` of a batch of ``num_tokens`` with the piece plan ``piece_starts``."""
+        n, c = num_tokens, self.chunk_tokens
+        starts = list(piece_starts) or [0]
         bounds = []
         for s, e in zip(starts, starts[1:] + [n]):
             step = c if c > 0 else e - s
             bounds += [(a, min(a + step, e)) for a in range(s, e, step)]
         return bounds
+
+    def forwards_of(self, num_tokens: int, piece_starts: tuple[int, ...] | list[int]) -> int:
+        """How many forward pieces a batch trains in: 1 unchunked, else its ``chunk_bounds``."""
+        chunked = len(piece_starts) > 1 or (self.chunk_tokens > 0 and num_tokens > self.chunk_tokens)
+        return len(self.bounds_of(num_tokens, piece_starts)) if chunked else 1
+
+    def pad(self, *, forwards: int = 0, backwards: int = 0) -> None:
+        """One-token forwards (no graph) and forward + backward passes whose loss is zero: what a
+        rank of a sharded group runs where another rank trains a piece it has none of, so every rank
+        issues the same collectives (FSDP gathers a unit's parameters in each forward and backward,
+        and reduce-scatters its gradients after each backward). Adds nothing to any gradient."""
+        device = self.device
+        one = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        blocks = tree_blocks(torch.ones(1, dtype=torch.int64, device=device), block_size=self.sparse_block_tokens)
+        if self.model.config._attn_implementation != BLOCKS_IMPLEMENTATION:  # type: ignore[union-attr]
+            self.model.set_attn_implementation(BLOCKS_IMPLEMENTATION)  # type: ignore[operator]
+
+        def forward() -> torch.Tensor:
+            out = self.decoder(input_ids=one, position_ids=one, attention_mask=None, use_cache=False,
+                               gyre_tree_blocks=blocks)
+            return out.last_hidden_state  # type: ignore[no-any-return]
+
+        with torch.no_grad():
+            for _ in range(forwards):
+                forward()
+        for _ in range(backwards):
+            self.touch(forward()).backward()
 
     def _chunk(self, t: TreeTensors, s: int, e: int, blocks: Any, kv: ChunkKV) -> torch.Tensor:
         """Last hidden states [e - s, H] of tokens [s, e), attending to ``kv.past`` (tokens < s)."""
@@ -350,7 +401,7 @@ class TreePolicy:
         return out.last_hidden_state[0]
 
     def train_chunked(self, t: TreeTensors, loss_of: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                      *, before_backward: Callable[[], bool] | None = None
+                      *, before_backward: Callable[[], bool] | None = None, pad_to: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Accumulate the gradient of a batch in pieces (``chunk_bounds``), exactly, holding the
         activations of one chunk at a time; returns the targets' (logprobs, entropy), detached.
@@ -364,7 +415,8 @@ class TreePolicy:
         keys/values; the leaves' gradients are added to what the earlier chunks will send. Since
         the loss is a sum over targets, the parameter gradient equals the unchunked batch's, at
         the cost of one more forward. ``before_backward`` runs between the passes (the queue's
-        ack): False leaves the gradient sums untouched and returns None."""
+        ack): False leaves the gradient sums untouched and returns None. ``pad_to``: a rank of a
+        sharded group runs this many forwards in each pass (``pad``), whatever its own chunks."""
         n = t.num_tokens
         blocks = tree_blocks(t.subtree_end, block_size=self.sparse_block_tokens)
         if self.model.config._attn_implementation != BLOCKS_IMPLEMENTATION:  # type: ignore[union-attr]
@@ -381,7 +433,10 @@ class TreePolicy:
                         keys[layer] = (k.new_empty(shape), v.new_empty(shape))
                     keys[layer][0][:, :, s:e] = k
                     keys[layer][1][:, :, s:e] = v
+        padding = max(0, pad_to - len(bounds))
+        self.pad(forwards=padding)
         if before_backward is not None and not before_backward():
+            assert not padding, "a sharded group's rank has no ack between the passes"
             return None
         sent = {layer: (torch.zeros_like(k), torch.zeros_like(v)) for layer, (k, v) in keys.items()}
         logp = torch.zeros(t.num_targets, device=t.input_ids.device)
@@ -403,6 +458,12 @@ class TreePolicy:
                 if loss.requires_grad:
                     outputs.append(loss)
                     grads.append(None)
+            if self.sharded:
+                # every chunk's backward runs through every FSDP unit (the root's and each layer's
+                # pre-backward unshard, their post-backward reduce-scatter) and gives every
+                # parameter a gradient, whichever outputs carry one: the ranks issue the same collectives
+                outputs.append(self.touch(hidden))
+                grads.append(None)
             if e < n:  # what the later chunks' losses send back through this chunk's keys/values
                 for layer, (k, v) in kv.own.items():
                     outputs += [k, v]
@@ -414,6 +475,7 @@ class TreePolicy:
                     sent[layer][0][:, :, :s] += pk.grad
                 if pv.grad is not None:
                     sent[layer][1][:, :, :s] += pv.grad
+        self.pad(backwards=padding)
         return logp, entropy
 
     def path_logprobs(self, paths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

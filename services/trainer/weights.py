@@ -59,7 +59,13 @@ class WeightStore:
             self._cv.notify_all()
 
     def publish(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
-        snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+        return self.publish_state(model.state_dict(), version)
+
+    def publish_state(self, state: dict[str, torch.Tensor], version: int, *, copy: bool = True
+                      ) -> dict[str, torch.Tensor]:
+        """Keep ``state`` (a whole model's tensors) as ``version``, a CPU copy unless ``copy`` is False
+        (tensors already copied for this, a sharded group's gathered weights); returns what is kept."""
+        snapshot = {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in state.items()}
         with self._cv:
             self._versions[version] = snapshot
             for old in sorted(self._versions)[:-self.keep]:

@@ -72,7 +72,7 @@ def job_from_proto(spec: trainer_pb2.TrainerJobSpec) -> TrainerJob:
         "device": spec.device or "cpu", "seed": spec.seed, "checkpoint_dir": spec.checkpoint_dir,
         "checkpoint_every": spec.checkpoint_every or 1, "checkpoint_keep": spec.checkpoint_keep or 2,
         "resume": not spec.no_resume, "max_dense_tokens": spec.max_dense_tokens or 8192,
-        "kl_reference": o.kl_reference or "behaviour",
+        "kl_reference": o.kl_reference or "behaviour", "shards": spec.shards or 1,
     }
     if o.HasField("temperature"):
         job["temperature"] = o.temperature
@@ -120,7 +120,7 @@ def job_to_proto(job: TrainerJob) -> trainer_pb2.TrainerJobSpec:
         attention=job.attention, dtype=job.dtype, device=job.device, seed=job.seed,
         checkpoint_dir=job.checkpoint_dir, checkpoint_every=job.checkpoint_every,
         checkpoint_keep=job.checkpoint_keep, no_resume=not job.resume, max_dense_tokens=job.max_dense_tokens,
-        options={"model_cache_dir": job.model_cache_dir,
+        shards=job.shards, options={"model_cache_dir": job.model_cache_dir,
                  "activation_checkpointing": str(job.activation_checkpointing).lower(),
                  "chunk_tokens": str(job.chunk_tokens)})
 

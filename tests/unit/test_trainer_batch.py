@@ -10,7 +10,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.trainer.batch import validate_batch
-from services.trainer.core import build_learner
+from services.trainer.build import build_learner
 from services.trainer.job import TrainerJob
 from services.trainer.synthetic import make_step
 from services.trainer.tree_forward import TreeTensors

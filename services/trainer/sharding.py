@@ -1,0 +1,75 @@
+"""A policy model sharded over the ranks of a trainer group with torch FSDP2 (``fully_shard``).
+
+Units: every decoder layer, then the root (embeddings, final norm and head: tied embeddings stay
+one parameter, in one unit). Gradient shards are *sums*, as everywhere in the trainer (the
+trajectory service normalizes the loss weights over the whole step): no division by the world size,
+and a plain SUM reduce-scatter (gloo has no PREMUL_SUM). ``TreePolicy`` runs the decoder through
+``gyre_decode``, a forward method FSDP knows of, so the root's parameters are gathered before the
+embeddings run and its gradients reduced after the head's backward.
+
+Needs the default process group (``services.trainer.group`` builds it).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+def _decode(self: torch.nn.Module, **kwargs: Any) -> Any:
+    return self.get_decoder()(**kwargs)  # type: ignore[operator]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (the ``ModuleList`` of its decoder)."""
+    lists = [m for m in model.get_decoder().children() if isinstance(m, torch.nn.ModuleList)]  # type: ignore[operator]
+    if len(lists) != 1 or not len(lists[0]):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return list(lists[0])
+
+
+def shard_model(model: torch.nn.Module, *, device: torch.device, bf16: bool = False) -> torch.nn.Module:
+    """Shard ``model`` in place over the default process group (one FSDP unit per decoder layer plus
+    the root); ``bf16``: bfloat16 parameters in forward and backward, gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sums, not means
+            module.set_force_sum_reduction_for_comms(True)
+    setattr(model, "gyre_decode", types.MethodType(_decode, model))
+    register_fsdp_forward_method(model, "gyre_decode")
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return hasattr(model, "gyre_decode")
+
+
+def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The full state dict, one tensor at a time (every rank of the group calls this, in step);
+    ``keep``: this rank keeps CPU copies (rank 0, for publishing), the others drop each at once."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            out[name] = full.detach().to("cpu", copy=True).contiguous()
+        del full
+    return out
+
+
+__all__ = ["decoder_layers", "gather_state", "is_sharded", "shard_model"]
