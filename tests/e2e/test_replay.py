@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.records import write_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +51,24 @@ def test_replay_trains_a_path_deeper_than_the_dense_mask_limit(tmp_path: Path) -
                               "--activation-checkpointing"))
     assert step["packed_tokens"] > 8192 and step["trained_tokens"] == step["trainable_tokens"] > 0
     assert math.isfinite(step["loss"])
+
+
+def test_replay_on_a_sharded_trainer_group_gives_the_losses_of_one_process(tmp_path: Path) -> None:
+    # executions deeper than the 1,024-token budget (the packer plans pieces; --chunk-tokens cuts
+    # further): trained by one process, then by a group of 2 ranks that shard the model (FSDP2)
+    records = write_records(tmp_path / "agents.jsonl", executions=4, turns=6, tool_tokens=200, output_tokens=16)
+    args = ("--records", str(records), "--steps", "2", "--token-budget", "1024", "--chunk-tokens", "512")
+    one = steps_of(replay(tmp_path / "one", *args))
+    two = steps_of(replay(tmp_path / "two", *args, "--shards", "2"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert a["trained_tokens"] == b["trained_tokens"] == a["trainable_tokens"] > 0
+        assert a["packed_tokens"] == b["packed_tokens"] > 1024
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert set(b["peak_rss_mib"]) == {"trajectory", "trainer", "trainer/0", "trainer/1"}
+        assert all(v > 0 for v in b["peak_rss_mib"].values())
+    proc = replay(tmp_path / "bad", "--records", str(records), "--shards", "0")
+    assert proc.returncode == 2 and proc.stderr.strip() == "gyre replay: --shards must be at least 1, got 0"
 
 
 def test_a_bad_record_is_one_sentence_naming_its_line_and_starts_nothing(tmp_path: Path) -> None:
