@@ -206,9 +206,9 @@ def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Pat
     previous policy there is replaced): ``out`` is never half-written."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from services.trainer.checkpoint import latest_checkpoint
+    from services.trainer.checkpoint import latest_checkpoint, load_weights
 
     found = latest_checkpoint(checkpoints)
     if found is None:
@@ -222,7 +222,8 @@ def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Pat
                 and f.name not in ("gyre_build.json", POLICY_FILE):
             shutil.copy2(f, tmp / f.name)
     # the checkpoint's tensors with the metadata transformers' loader expects of a model file
-    save_file(load_file(str(found / "model.safetensors")), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # whatever number of trainer ranks saved them (a tensor of its own per name: tied ones too)
+    save_file(load_weights(found), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     info: dict[str, Any] = {"job_id": job_id, "weight_version": int(state["version"]), "base_model": str(base),
                             "checkpoint": str(found)}
     if (base / POLICY_FILE).is_file():  # trained on from an earlier policy: keep its lineage

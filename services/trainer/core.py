@@ -115,39 +115,55 @@ class CoreTrainer:
             if self._state is not None and self._state.phase not in ("done", "failed", "stopped"):
                 raise FailedPrecondition(f"job {self._state.job.job_id!r} is still running")
             torch.manual_seed(job.seed)
-            group = self._start_group(job) if job.shards > 1 else None
-            if group is not None:
-                assert group.rank0 is not None
-                learner, updater = group.rank0.learner, group.rank0.updater
-            else:
-                learner = build_learner(job, torch.device(job.device))
-                updater = Updater(learner.model, job.optim)
+            if job.shards > 1:
+                try:
+                    check_group(job)
+                except ValueError as exc:
+                    raise InvalidArgument(str(exc)) from None
+            # rank 0's learner (the whole model until the group shards it), or the whole learner
+            rank0 = GroupRank(job, 0) if job.shards > 1 else None
+            learner = rank0.learner if rank0 is not None else build_learner(job, torch.device(job.device))
             step, version = job.start_step, job.start_step
-            if job.checkpoint_dir and job.resume:
-                path = ckpt.latest_checkpoint(job.checkpoint_dir)
+            path = ckpt.latest_checkpoint(job.checkpoint_dir) if job.checkpoint_dir and job.resume else None
+            if path is not None:
+                try:  # before any other rank starts
+                    ckpt.check_model(path, learner.model)
+                except ValueError as exc:
+                    raise InvalidArgument(str(exc)) from None
+            group = self._start_group(job, rank0) if rank0 is not None else None
+            try:
+                updater = group.rank0.updater if group is not None and group.rank0 is not None \
+                    else Updater(learner.model, job.optim)
                 if path is not None:
-                    c = ckpt.load_checkpoint(path)
-                    learner.model.load_state_dict(c.model)
-                    updater.optimizer.load_state_dict(c.optimizer)
+                    c = ckpt.load_checkpoint(path)  # the record, and the RNG restored
+                    if group is not None:  # every rank loads its shards, whatever world size saved them
+                        group.load(path)
+                    else:
+                        ckpt.load_into(path, learner.model, updater.optimizer)
                     step, version = c.step, c.version
-                    log.info("resumed", job_id=job.job_id, path=str(path), step=step, version=version)
-            self.membership = StepMembership(job_id=job.job_id, store_host=self.store_host,
-                                             store_port=self.store_port, member_timeout_s=self.member_timeout_s,
-                                             silence_s=self.replica_silence_s,
-                                             is_alive=lambda rid: self.replica_alive(rid))
-            # The source gets its own store connection: a TCPStore client serializes requests, and
-            # a consumer blocked in store.wait must not block the step's process-group setup.
-            source = open_source(job.source, store_host=self.store_host, store_port=self.store_port,
-                                 job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address)
-            journal = journal_for(job.checkpoint_dir, job.job_id)
-            if journal is not None and not job.resume:
-                journal.clear()
-            self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
-                                    version=version, journal=journal, group=group)
-            self.weights.reset()  # versions count per job: a previous job's must not answer for this one's
-            state, copy_ = self._full_state(self._state)
-            snapshot = self.weights.publish_state(state, version, copy=copy_)
-            self._stop.clear()
+                    log.info("resumed", job_id=job.job_id, path=str(path), step=step, version=version,
+                             shards=job.shards)
+                self.membership = StepMembership(job_id=job.job_id, store_host=self.store_host,
+                                                 store_port=self.store_port, member_timeout_s=self.member_timeout_s,
+                                                 silence_s=self.replica_silence_s,
+                                                 is_alive=lambda rid: self.replica_alive(rid))
+                # The source gets its own store connection: a TCPStore client serializes requests, and
+                # a consumer blocked in store.wait must not block the step's process-group setup.
+                source = open_source(job.source, store_host=self.store_host, store_port=self.store_port,
+                                     job_id=job.job_id, consumer_id="core", trajectory_address=job.trajectory_address)
+                journal = journal_for(job.checkpoint_dir, job.job_id)
+                if journal is not None and not job.resume:
+                    journal.clear()
+                self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
+                                        version=version, journal=journal, group=group)
+                self.weights.reset()  # versions count per job: a previous job's must not answer for this one's
+                state, copy_ = self._full_state(self._state)
+                snapshot = self.weights.publish_state(state, version, copy=copy_)
+                self._stop.clear()
+            except BaseException:  # the job does not start: neither do its ranks
+                if group is not None:
+                    group.close(clean=False)
+                raise
         if job.engine_addresses:
             # The engines serve this job's weights from its first call on: the job's model (a
             # checkpoint of the architecture they run), or after a resume the checkpoint's weights.
@@ -157,16 +173,13 @@ class CoreTrainer:
             self._thread = threading.Thread(target=self._run, name=f"trainer-{job.job_id}", daemon=True)
             self._thread.start()
 
-    def _start_group(self, job: TrainerJob) -> ShardGroup:
-        """Rank 0 of a sharded group: this process's rank, the others started and joined."""
-        try:
-            check_group(job)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+    def _start_group(self, job: TrainerJob, rank0: GroupRank) -> ShardGroup:
+        """A sharded group of which ``rank0`` (this process) is rank 0: the others started, joined,
+        every rank's model sharded."""
         group = ShardGroup(job, store=self.store, store_host=self.store_host, store_port=self.store_port,
                            log_dir=self.rank_log_dir, timeout_s=self.collective_timeout_s)
         try:
-            group.start(GroupRank(job, 0))
+            group.start(rank0)
         except BaseException:
             group.close(clean=False)
             raise
@@ -328,7 +341,8 @@ class CoreTrainer:
                 log.warning("settling the step failed", job_id=job.job_id, step=step, error=str(exc))
         if job.checkpoint_dir and (step + 1) % job.checkpoint_every == 0:
             ckpt.save_checkpoint(job.checkpoint_dir, step=step + 1, version=new_version, model=learner.model,
-                                 optimizer=st.updater.optimizer, extra={"job_id": job.job_id})
+                                 optimizer=st.updater.optimizer, extra={"job_id": job.job_id, "shards": job.shards},
+                                 write_state=st.group.save if st.group is not None else None)
             ckpt.prune_checkpoints(job.checkpoint_dir, job.checkpoint_keep)
             if st.journal is not None:
                 st.journal.forget_before(step + 1)  # those updates are durable now

@@ -15,6 +15,7 @@ run the same sequence of forwards and backwards, in lockstep::
                               ``forwards`` forward pieces per pass, its own and one-token padding
       finish(step)            statistics all-reduced (SUM; extrema MAX); clip + AdamW on each shard
       gather                  the full state dict a tensor at a time; rank 0 keeps it (publishing)
+      save(path) / load(path) a DCP checkpoint, every rank its shards (load: any world size saved it)
       stop                    the ranks exit
 
 Rank 0 validates, journals and acknowledges each micro-batch before it is scattered (the queue's
@@ -44,7 +45,7 @@ from services.trainer.job import TrainerJob
 
 log = get_logger(__name__)
 REPO = Path(__file__).resolve().parents[2]
-OPS: tuple[str, ...] = ("begin", "round", "finish", "gather", "stop")
+OPS: tuple[str, ...] = ("begin", "round", "finish", "gather", "save", "load", "stop")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Op:
     step: int = -1
     version: int = 0
     forwards: int = 0  # round: forward pieces per pass
+    path: str = ""     # save / load: the checkpoint's DCP folder / directory
 
 
 def peak_rss_mib() -> float:
@@ -141,6 +143,14 @@ class GroupRank:
             from services.trainer.sharding import gather_state
 
             return gather_state(self.learner.model, keep=self.rank == 0)
+        if op.kind in ("save", "load"):
+            from services.trainer import checkpoint as ckpt
+
+            if op.kind == "save":
+                ckpt.save_state(Path(op.path), self.learner.model, self.updater.optimizer, distributed=True)
+            else:
+                ckpt.load_into(op.path, self.learner.model, self.updater.optimizer, distributed=True)
+            return None
         raise ValueError(f"unknown group operation {op.kind!r}")
 
 
@@ -287,6 +297,14 @@ class ShardGroup:
 
     def gather(self) -> dict[str, torch.Tensor]:
         return self._run(Op("gather"))  # type: ignore[no-any-return]
+
+    def save(self, path: Path) -> None:
+        """Every rank writes its shards of the model and optimizer into the DCP folder ``path``."""
+        self._run(Op("save", path=str(path)))
+
+    def load(self, checkpoint: Path) -> None:
+        """Every rank loads its shards from the checkpoint directory (saved at any world size)."""
+        self._run(Op("load", path=str(checkpoint)))
 
 
 def rank_main(argv: Sequence[str] | None = None) -> int:

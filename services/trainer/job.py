@@ -131,9 +131,6 @@ class TrainerJob:
             raise ValueError(f"max_dense_tokens must be >= 1, got {self.max_dense_tokens}")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1 (ranks of the trainer group), got {self.shards}")
-        if self.shards > 1 and self.checkpoint_dir:
-            raise ValueError("checkpoints of a sharded trainer group (torch DCP) are not built yet: run shards > 1 "
-                             "without checkpoint_dir, or shards = 1")
         if self.shards > 1 and self.kl_reference == "initial" and self.objective.kl_coef > 0:
             raise ValueError("a KL term to the initial weights is not built yet for a sharded trainer group: use "
                              "kl_reference 'behaviour', or shards = 1")

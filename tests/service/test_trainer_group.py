@@ -111,8 +111,6 @@ def test_a_rank_killed_mid_job_fails_the_job_with_one_sentence_never_a_hang(tmp_
 def test_a_group_this_host_cannot_hold_or_a_replica_for_it_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="shards must be >= 1"):
         TrainerJob(job_id="j", source=SOURCE, shards=0)
-    with pytest.raises(ValueError, match="checkpoints of a sharded trainer group"):
-        TrainerJob(job_id="j", source=SOURCE, shards=2, checkpoint_dir=str(tmp_path))
     core = CoreTrainer(rank_log_dir=str(tmp_path / "logs"))
     if not torch.cuda.is_available():
         with pytest.raises(InvalidArgument, match="needs 2 CUDA devices; this host has 0"):
@@ -124,3 +122,48 @@ def test_a_group_this_host_cannot_hold_or_a_replica_for_it_is_refused(tmp_path: 
             core.check_replicas_join()
     finally:
         core.stop()
+
+
+def _resume(tmp_path: Path, root: Path, shards: int, steps: int) -> tuple[list[dict[str, float]],
+                                                                          dict[str, torch.Tensor]]:
+    core = CoreTrainer(rank_log_dir=str(tmp_path / "logs"))
+    job = TrainerJob(job_id="dcp", model="tiny", source=SOURCE, num_steps=steps, shards=shards, chunk_tokens=256,
+                     attention="blocks", seed=5, checkpoint_dir=str(root))
+    try:
+        core.start(job, background=False)
+        reports = []
+        while core._require().step < steps:
+            reports.append(core.run_step().metrics)
+        return reports, core.weights.get(-1)
+    finally:
+        core.stop()
+
+
+def test_a_checkpoint_saved_by_2_ranks_resumes_at_1_and_at_3(tmp_path: Path) -> None:
+    import shutil
+
+    straight, want = _resume(tmp_path, tmp_path / "straight", 1, 3)
+    saved, _ = _resume(tmp_path, tmp_path / "two", 2, 2)                 # a DCP folder of 2 ranks' shards
+    assert [round(m["loss"], 5) for m in saved] == [round(m["loss"], 5) for m in straight[:2]]
+    files = sorted(p.name for p in (tmp_path / "two" / "step-000002" / "state").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    shutil.copytree(tmp_path / "two", tmp_path / "two-again")
+    for shards, root in ((1, tmp_path / "two"), (3, tmp_path / "two-again")):
+        (third,), got = _resume(tmp_path, root, shards, 3)              # step 2 only, from the checkpoint
+        assert third["loss"] == pytest.approx(straight[2]["loss"], rel=1e-4), shards
+        assert third["grad_norm"] == pytest.approx(straight[2]["grad_norm"], rel=1e-4), shards
+        # the update of step 2 used the loaded Adam moments: the weights after it are the straight run's
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=f"{shards} ranks: {name}")
+
+
+def test_a_checkpoint_of_another_model_is_one_sentence_and_changes_nothing(tmp_path: Path) -> None:
+    _resume(tmp_path / "first", tmp_path / "ck", 2, 1)
+    core = CoreTrainer(rank_log_dir=str(tmp_path / "logs"))
+    job = TrainerJob(job_id="dcp", model="tiny:hidden=128", source=SOURCE, shards=2, checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.raises(InvalidArgument, match=r"is of another model: it holds 'lm_head.weight' of shape "
+                                              r"\[512, 64\], this model's is \[512, 128\]"):
+        core.start(job)
+    assert core.status()["phase"] == "idle" and not list((tmp_path / "logs").glob("trainer-dcp-rank*"))
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-000001"]
+    core.stop()
