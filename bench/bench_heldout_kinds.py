@@ -9,7 +9,7 @@ means every module right on its first attempt (services.task.scoring). This benc
 job's held-out tasks (deploy/config/job.toml's task knobs, run.toml's harness knobs, greedy, the
 built-in agent in-process on one thread) with the warm-started built-in model and with each
 ``--checkpoint`` (the policy directory `gyre run` writes, ``<report dir>/policy``, a trainer
-checkpoint directory ``.../checkpoints/<job>/step-00000N`` or its ``model.safetensors``:
+checkpoint directory ``.../checkpoints/<job>/step-00000N`` or a ``model.safetensors``:
 RL-trained weights of the same model), and writes, per policy, the pass rate
 on the short and the long tasks, their mean reward, and the share of modules right the first time per kind
 (`services.task.scoring.MODULE_KINDS`): a call to an earlier module, a ``sub`` step, an ``rsub``
@@ -52,11 +52,16 @@ def load_policy(base: Path, checkpoint: str | None) -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(str(base))
     if checkpoint:
+        from services.trainer.checkpoint import load_weights
+
         path = Path(checkpoint)
+        if (path / "COMPLETE").is_file():  # a trainer checkpoint (DCP, any number of ranks)
+            model.load_state_dict(load_weights(path), strict=True)
+            return model.eval()
         path = path / "model.safetensors" if path.is_dir() else path
         if not path.is_file():
-            raise SystemExit(f"no checkpoint weights at {path}: pass a trainer checkpoint directory or its "
-                             "model.safetensors")
+            raise SystemExit(f"no checkpoint weights at {path}: pass a policy directory, a trainer checkpoint "
+                             "directory or a model.safetensors")
         model.load_state_dict(load_file(str(path)), strict=True)
     return model.eval()
 

@@ -13,10 +13,12 @@ from services.trainer.model import build_model
 from services.trainer.tree_forward import TreePolicy
 
 
-def build_learner(job: TrainerJob, device: str | torch.device) -> Learner:
-    """Model + tree policy + learner for ``job`` (the same on the core and on every replica)."""
+def build_learner(job: TrainerJob, device: str | torch.device, *, meta: bool = False) -> Learner:
+    """Model + tree policy + learner for ``job`` (the same on the core and on every replica);
+    ``meta``: the model's shapes only (a sharded group's rank > 0, given its shards by rank 0)."""
     model = build_model(job.model, dtype=torch.float32, device=device, seed=job.seed,
-                        attention="flex" if job.attention == "flex" else "sdpa", model_cache_dir=job.model_cache_dir)
+                        attention="flex" if job.attention == "flex" else "sdpa", model_cache_dir=job.model_cache_dir,
+                        meta=meta)
     policy = TreePolicy(model, attention=job.attention, temperature=job.temperature,
                         max_dense_tokens=job.max_dense_tokens, checkpoint_layers=job.activation_checkpointing,
                         chunk_tokens=job.chunk_tokens)

@@ -6,10 +6,11 @@ forward and backward (a unit's parameters gathered, its gradients reduce-scatter
 run the same sequence of forwards and backwards, in lockstep::
 
     rank 0 (core)                                        rank r = 1..N-1
-    spawn ranks, job spec in the store ───────────────>  build the model (same seed)
+    spawn ranks, job spec in the store ───────────────>  build the model's shapes (meta device)
     build the model; wait for every "ready/<r>"    <───  ready/<r>
     init_process_group (gloo; cpu:gloo,cuda:nccl) ─────  init_process_group; shard (fully_shard)
-    shard; then for each operation, broadcast it ─────>  run it (the same collectives)
+    shard; send each tensor ──────────────────────────>  keep its shard of it (one whole tensor at a time)
+    then for each operation, broadcast it ────────────>  run it (the same collectives)
       begin(step, version)    zero the gradient shards and statistics
       round(forwards)         one micro-batch per rank, scattered (None: padding); every rank runs
                               ``forwards`` forward pieces per pass, its own and one-token padding
@@ -107,15 +108,20 @@ class GroupRank:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(job.seed)
-        self.learner = build_learner(job, self.device)
+        # rank 0 builds (or reads) the whole model; the others its shapes, and get their shards from it
+        self.learner = build_learner(job, self.device, meta=rank > 0)
         self.updater: Any = None
 
     def shard(self) -> None:
         from services.trainer.learner import Updater
-        from services.trainer.sharding import shard_model
+        from services.trainer.sharding import send_from_rank0, shard_model
 
-        shard_model(self.learner.model, device=self.device, bf16=self.job.dtype == "bfloat16")
-        self.updater = Updater(self.learner.model, self.job.optim)
+        model = self.learner.model
+        full = dict(model.state_dict()) if self.rank == 0 else None
+        shard_model(model, device=self.device, bf16=self.job.dtype == "bfloat16")
+        send_from_rank0(model, full, device=self.device)
+        del full  # rank 0's whole tensors: its shards are copies
+        self.updater = Updater(model, self.job.optim)
 
     def forwards_of(self, batch: PackedBatchLike) -> int:
         return self.learner.policy.forwards_of(len(batch.input_ids), tuple(int(x) for x in batch.piece_starts))

@@ -75,8 +75,11 @@ def parse_tiny_spec(spec: str) -> dict[str, int]:
 
 
 def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int = 0, attention: str = "sdpa", model_cache_dir: str = ".gyre/models") -> torch.nn.Module:
-    """Build (and move to ``device``) the causal LM named by ``spec``; see the module docstring."""
+                seed: int = 0, attention: str = "sdpa", model_cache_dir: str = ".gyre/models",
+                meta: bool = False) -> torch.nn.Module:
+    """Build (and move to ``device``) the causal LM named by ``spec``; see the module docstring.
+    ``meta``: its shapes only, on the meta device (no weights read or drawn): a rank of a sharded
+    group other than 0, whose shards rank 0 sends (services.trainer.sharding)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from services.trainer.tree_forward import register_attention
@@ -87,11 +90,15 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
         config = tiny_config(**parse_tiny_spec(spec))
     elif spec == "qwen3-0.6b":
         config = qwen3_0_6b_config()
+    elif spec in named_models() and meta:
+        config = AutoConfig.from_pretrained(str(resolve_model(spec, model_cache_dir)), local_files_only=True)
     elif spec in named_models():
         spec = str(resolve_model(spec, model_cache_dir))
         return _check_supported(AutoModelForCausalLM.from_pretrained(
             spec, local_files_only=True, dtype=dtype, attn_implementation=attn_impl)).to(device)
     elif os.path.isfile(spec) and spec.endswith(".json"):
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    elif os.path.isdir(spec) and meta:
         config = AutoConfig.from_pretrained(spec, local_files_only=True)
     elif os.path.isdir(spec):
         model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=dtype,
@@ -100,6 +107,10 @@ def build_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | 
     else:
         raise ValueError(f"model spec {spec!r} is neither 'tiny[:k=v,...]', 'qwen3-0.6b', one of {named_models()}, "
                          f"a local model directory nor a config.json")
+    if meta:
+        with torch.device("meta"):
+            return _check_supported(AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                     attn_implementation=attn_impl))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_impl)

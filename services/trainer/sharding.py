@@ -54,6 +54,31 @@ def shard_model(model: torch.nn.Module, *, device: torch.device, bf16: bool = Fa
     return model
 
 
+def send_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None, *, device: torch.device) -> None:
+    """Give every rank its shards of rank 0's weights, one tensor at a time: rank 0 built the whole
+    model (``full``: its state dict before sharding), the others only its shapes (meta device), so
+    no rank but 0 ever holds more than one whole tensor. Buffers (rotary frequencies) too."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    rank = dist.get_rank()
+    if rank > 0:
+        model.to_empty(device=device)
+    for name, value in model.state_dict().items():
+        if not isinstance(value, DTensor):
+            continue
+        whole = full[name].to(device) if full is not None else torch.empty(value.shape, dtype=value.dtype,
+                                                                            device=device)
+        dist.broadcast(whole, src=0)
+        if rank > 0:
+            mine = distribute_tensor(whole, value.device_mesh, value.placements, src_data_rank=None)
+            with torch.no_grad():
+                value.to_local().copy_(mine.to_local())
+        del whole
+    for _, buffer in model.named_buffers():
+        dist.broadcast(buffer, src=0)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     return hasattr(model, "gyre_decode")
 
@@ -72,4 +97,4 @@ def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tenso
     return out
 
 
-__all__ = ["decoder_layers", "gather_state", "is_sharded", "shard_model"]
+__all__ = ["decoder_layers", "gather_state", "is_sharded", "send_from_rank0", "shard_model"]
