@@ -315,6 +315,7 @@ class CoreTrainer:
                        tokens_per_s=metrics.get("tokens", 0.0) / step_s if step_s > 0 else 0.0,
                        compute_s=compute_s, train_tokens_per_s=own_tokens / compute_s if compute_s > 0 else 0.0,
                        weight_version=float(new_version), publish_s=publish.engines_s,
+                       snapshot_s=publish.snapshot_s,
                        evicted=float(evicted), retrained=float(retrained), handed_back=float(handed_back),
                        publish_mb=publish.num_bytes / 1e6, shards=float(job.shards))
         if st.group is not None:

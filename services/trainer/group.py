@@ -211,7 +211,7 @@ class ShardGroup:
         for rank in range(1, self.world):
             cmd = [sys.executable, "-m", "services.trainer.group", "--store", f"{self.store_host}:{self.store_port}",
                    "--prefix", self.prefix, "--rank", str(rank), "--world-size", str(self.world)]
-            with open(self.log_dir / f"trainer-{self.job.job_id}-rank{rank}.log", "ab") as out:
+            with open(self._log(rank), "ab") as out:
                 # the core's working directory: relative paths of the job (model cache) mean the same
                 env = {**os.environ, "OMP_NUM_THREADS": str(self._threads()),
                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
@@ -220,8 +220,9 @@ class ShardGroup:
         for rank, proc in enumerate(self.procs, start=1):
             while not store.check([f"ready/{rank}"]):
                 if proc.poll() is not None:
+                    why = self._last_error(rank)
                     raise RuntimeError(f"trainer rank {rank} exited with code {proc.returncode} before joining the "
-                                       f"group (log in {self.log_dir / f'trainer-{self.job.job_id}-rank{rank}.log'})")
+                                       f"group{f' ({why})' if why else ''}; its log: {self._log(rank)}")
                 if time.monotonic() > deadline or stopping():
                     raise RuntimeError(f"trainer rank {rank} did not join the group within {self.timeout_s:.0f}s")
                 time.sleep(0.05)
@@ -251,8 +252,31 @@ class ShardGroup:
             except subprocess.TimeoutExpired:
                 continue
             how = f"died (signal {-code})" if code < 0 else f"exited with code {code}"
-            ended.append(f"trainer rank {rank} (pid {proc.pid}) {how}")
+            why = self._last_error(rank) if code > 0 else ""
+            ended.append(f"trainer rank {rank} (pid {proc.pid}) {how}{f' ({why})' if why else ''}")
         return "; ".join(ended)
+
+    def _log(self, rank: int) -> Path:
+        return self.log_dir / f"trainer-{self.job.job_id}-rank{rank}.log"
+
+    def _last_error(self, rank: int) -> str:
+        """The last line of the last exception in a rank's log (its JSON lines), if any."""
+        import json
+
+        try:
+            lines = self._log(rank).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            start = line.find("{")
+            if '"exception"' not in line or start < 0:
+                continue
+            try:
+                trace = str(json.loads(line[start:]).get("exception", ""))
+            except ValueError:
+                continue
+            return trace.strip().splitlines()[-1] if trace.strip() else ""
+        return ""
 
     def close(self, *, clean: bool) -> None:
         """Stop the ranks (``clean``: they are waiting for an operation) or kill them (after a failure

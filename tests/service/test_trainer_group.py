@@ -167,3 +167,12 @@ def test_a_checkpoint_of_another_model_is_one_sentence_and_changes_nothing(tmp_p
     assert core.status()["phase"] == "idle" and not list((tmp_path / "logs").glob("trainer-dcp-rank*"))
     assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-000001"]
     core.stop()
+
+
+def test_a_bf16_group_keeps_bf16_parameters_in_compute_and_matches_one_process(tmp_path: Path) -> None:
+    """dtype bfloat16: the group's units gather bfloat16 parameters for forward and backward and
+    reduce the gradients in fp32 (MixedPrecisionPolicy); the shards and AdamW stay fp32."""
+    whole, _ = _train(tmp_path / "one", 1, dtype="bfloat16")
+    group, _ = _train(tmp_path / "two", 2, dtype="bfloat16")
+    for got, ref in zip(group, whole):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=2e-3, abs=1e-4)
