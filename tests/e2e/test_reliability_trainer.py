@@ -33,9 +33,9 @@ SOURCE = "synthetic:seed=7,executions=8,tokens=160,depth=2,branching=2"
 MODEL = "tiny:layers=2,hidden=128"  # a checkpoint write lasts long enough to be hit
 
 
-def _job(checkpoint_dir: str = "", job_id: str = "kill-e2e") -> TrainerJob:
+def _job(checkpoint_dir: str = "", job_id: str = "kill-e2e", shards: int = 1) -> TrainerJob:
     return TrainerJob(job_id=job_id, model=MODEL, source=SOURCE, num_steps=NUM_STEPS, seed=3,
-                      checkpoint_dir=checkpoint_dir, checkpoint_every=1, checkpoint_keep=2)
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=1, checkpoint_keep=2, shards=shards)
 
 
 @pytest.fixture
@@ -72,26 +72,30 @@ def _kill_during(trainer: ServiceProcess, client: TrainerClient, root: Path, whe
     return _torn(root) - before
 
 
-def _resume(trainer: ServiceProcess, root: Path) -> tuple[TrainerClient, int]:
+def _resume(trainer: ServiceProcess, root: Path, shards: int) -> tuple[TrainerClient, int]:
     """Restart the process and the job; it must resume at the newest complete checkpoint."""
     latest = ckpt.latest_checkpoint(root)
     assert latest is not None, "a kill after the first step leaves a complete checkpoint"
     expected = ckpt.load_checkpoint(latest, restore_rng=False).step
     trainer.restart()
     client = TrainerClient(trainer.address, timeout_s=60)
-    started = client.start_job(_job(str(root)))
+    started = client.start_job(_job(str(root), shards=shards))
     assert (started.step, started.weight_version) == (expected, expected), "resume from the last good checkpoint"
     return client, expected
 
 
-def test_trainer_killed_mid_step_and_mid_checkpoint_resumes_exactly(trainer: ServiceProcess, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_trainer_killed_mid_step_and_mid_checkpoint_resumes_exactly(trainer: ServiceProcess, tmp_path: Path,
+                                                                    shards: int) -> None:
+    """Also a sharded group (2 ranks: the service and the rank process it starts; its DCP
+    checkpoints), against an uninterrupted run of the same group."""
     root = tmp_path / "ck"
     client = TrainerClient(trainer.address, timeout_s=60)
-    client.start_job(_job(str(root)))
+    client.start_job(_job(str(root), shards=shards))
 
     _kill_during(trainer, client, root, "step")
     client.close()
-    client, resumed_at = _resume(trainer, root)
+    client, resumed_at = _resume(trainer, root, shards)
     assert resumed_at < NUM_STEPS
 
     # Kill inside a save: the half-written tmp dir stays behind and is never taken for a checkpoint.
@@ -100,11 +104,11 @@ def test_trainer_killed_mid_step_and_mid_checkpoint_resumes_exactly(trainer: Ser
         client.close()
         if torn:
             break
-        client, _ = _resume(trainer, root)  # the save finished before the kill landed: try the next one
+        client, _ = _resume(trainer, root, shards)  # the save finished before the kill landed: try the next one
     else:
         pytest.fail("no kill landed inside a checkpoint write")
     torn_step = max(int(p.name.split("-")[2]) for p in torn)  # .tmp-step-000004-<pid>
-    client, resumed_at = _resume(trainer, root)
+    client, resumed_at = _resume(trainer, root, shards)
     assert resumed_at == torn_step - 1, "resumed from the checkpoint before the torn save"
 
     report = client.wait_step(NUM_STEPS - 1, timeout_s=180)
@@ -115,7 +119,7 @@ def test_trainer_killed_mid_step_and_mid_checkpoint_resumes_exactly(trainer: Ser
     assert version == NUM_STEPS
 
     # The same job uninterrupted (same seed and data; no checkpoints), in the same warm process.
-    client.start_job(_job(job_id="kill-e2e-reference"))
+    client.start_job(_job(job_id="kill-e2e-reference", shards=shards))
     wait_until(lambda: client.status().phase == "done", 120, "the reference run")
     _version, reference = client.get_weights(-1)
     client.close()
@@ -139,7 +143,9 @@ def _execution(rng: np.random.Generator, eid: str) -> list[TitoCall]:
             for i, (p, out) in enumerate([(prompt, out1), (second, out2), (retry, out3)])]
 
 
-def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_path: Path, redis_url: str) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_path: Path, redis_url: str,
+                                                                         shards: int) -> None:
     traj = ServiceProcess.start("trajectory", "services.trajectory.main", tmp_path, [
         "--redis-url", redis_url, "--spool-dir", str(tmp_path / "spool"), "--token-budget", "32",
         "--stream-poll-s", "0.05", "--batch-lease-s", "5", "--grace-s", "1"])
@@ -156,7 +162,7 @@ def test_trainer_killed_mid_step_retrains_the_whole_step_from_trajectory(tmp_pat
             tc.complete_execution(Outcome(f"e{i}", f"g{i // 2}", Status.FINISHED, float(i % 2), step=0, job_id=JOB))
         planned = tc.close_step(JOB, 0)
         job = TrainerJob(job_id=JOB, model="tiny", source="trajectory", num_steps=1, trajectory_address=traj.address,
-                         checkpoint_dir=str(tmp_path / "ck"))
+                         checkpoint_dir=str(tmp_path / "ck"), shards=shards)
         with TrainerClient(trainer.address, timeout_s=60) as client:
             client.start_job(job)
             try:  # kill right after the first acknowledged batch
