@@ -339,3 +339,16 @@ def test_chunked_training_equals_the_whole_batch(kind: str, chunk: int, pieces: 
     assert policy.train_chunked(t, loss_of, before_backward=lambda: False) is None
     assert all(p.grad is None for p in net.parameters())
     net.set_attn_implementation("sdpa")
+
+
+def test_padding_passes_add_nothing_and_plans_count_forward_pieces() -> None:
+    """What a rank of a sharded group runs where another trains a piece: one-token forwards and
+    zero-loss backwards leave every gradient as it was (here: exactly zero, but present)."""
+    net = build_model("tiny", seed=3)
+    policy = TreePolicy(net, attention="blocks", sparse_block_tokens=32, chunk_tokens=64)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    policy.pad(forwards=2, backwards=3)
+    assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
+    assert policy.forwards_of(64, ()) == 1 and policy.forwards_of(65, ()) == 2
+    assert policy.forwards_of(700, (0, 250, 333)) == len(policy.bounds_of(700, (0, 250, 333))) == 4 + 2 + 6
