@@ -512,7 +512,8 @@ class CoreTrainer:
                     "members": [], "error": ""}
         return {"phase": st.phase, "job_id": st.job.job_id, "step": st.step, "weight_version": st.version,
                 "members": self.membership.members() if self.membership else [], "error": st.error,
-                "num_steps": st.job.num_steps, "last": st.reports[-1].metrics if st.reports else {}}
+                "num_steps": st.job.num_steps, "last": st.reports[-1].metrics if st.reports else {},
+                "group": st.group.ranks() if st.group is not None else []}
 
     def wait_step(self, step: int, timeout_s: float) -> StepReport | None:
         """Block until ``step`` has been published (or the job ended); its report or None."""

@@ -238,9 +238,12 @@ class ShardGroup:
     def _threads(self) -> int:
         return max(1, (os.cpu_count() or 1) // self.world)
 
-    @property
-    def pids(self) -> list[int]:
-        return [os.getpid()] + [p.pid for p in self.procs]
+    def ranks(self) -> list[dict[str, Any]]:
+        """Each rank's pid, last measured peak RSS and whether its process runs (rank 0: this one)."""
+        pids = [os.getpid()] + [p.pid for p in self.procs]
+        alive = [True] + [p.poll() is None for p in self.procs]
+        rss = self.peak_rss_mib or [0.0] * self.world
+        return [{"rank": r, "pid": pids[r], "peak_rss_mib": rss[r], "alive": alive[r]} for r in range(len(pids))]
 
     def ended_ranks(self, wait_s: float = 5.0) -> str:
         """The ranks whose processes ended, one clause each ('' if none did): why a step of the group

@@ -88,7 +88,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             replicas=[wire.replica_info(m, self._pid_of(str(m["replica_id"]))) for m in st["members"]],
             error=st["error"],
             num_steps=int(st.get("num_steps", 0)), last_metrics={k: float(v) for k, v in st.get("last", {}).items()},
-            store_address=f"{self.core.store_host}:{self.core.store_port}")
+            store_address=f"{self.core.store_host}:{self.core.store_port}",
+            group=[trainer_pb2.GroupRank(rank=g["rank"], pid=g["pid"], peak_rss_mib=g["peak_rss_mib"],
+                                         alive=g["alive"]) for g in st.get("group", [])])
 
     def WaitStep(self, request: trainer_pb2.WaitStepRequest, context: Any) -> trainer_pb2.StepReport:
         if request.step < 0 or request.timeout_s < 0:
