@@ -156,10 +156,10 @@ class CoreTrainer:
                     journal.clear()
                 self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
                                         version=version, journal=journal, group=group)
-                self.weights.reset()  # versions count per job: a previous job's must not answer for this one's
-                # replicas pull the version before the newest one while it is published; a sharded
-                # group has none, and its rank 0 keeps one whole version
-                self.weights.keep = 1 if job.shards > 1 else 2
+                # versions count per job: a previous job's must not answer for this one's. Replicas pull
+                # the version before the newest while it is published; a sharded group has none, and
+                # its rank 0 keeps one whole version
+                self.weights.reset(keep_at_most=1 if job.shards > 1 else 0)
                 state, copy_ = self._full_state(self._state)
                 snapshot = self.weights.publish_state(state, version, copy=copy_)
                 self._stop.clear()

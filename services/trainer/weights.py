@@ -44,6 +44,7 @@ class WeightStore:
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
+        self._cap = 0  # the running job's own limit, 0: none (reset)
         self._cv = threading.Condition()
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -52,9 +53,11 @@ class WeightStore:
         with self._cv:
             return max(self._versions, default=-1)
 
-    def reset(self) -> None:
-        """Forget every version (a new job starts its own lineage at its first version)."""
+    def reset(self, *, keep_at_most: int = 0) -> None:
+        """Forget every version (a new job starts its own lineage at its first version);
+        ``keep_at_most`` > 0: this job keeps no more versions than that (a sharded group's rank 0)."""
         with self._cv:
+            self._cap = max(0, keep_at_most)
             self._versions.clear()
             self._cv.notify_all()
 
@@ -68,7 +71,7 @@ class WeightStore:
         snapshot = {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in state.items()}
         with self._cv:
             self._versions[version] = snapshot
-            for old in sorted(self._versions)[:-self.keep]:
+            for old in sorted(self._versions)[:-(min(self.keep, self._cap) if self._cap else self.keep)]:
                 del self._versions[old]
             self._cv.notify_all()
         return snapshot
