@@ -33,7 +33,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,6 @@ from services.trainer.job import TrainerJob
 
 log = get_logger(__name__)
 REPO = Path(__file__).resolve().parents[2]
-OPS: tuple[str, ...] = ("begin", "round", "finish", "gather", "save", "load", "stop")
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ class ShardGroup:
         self._formed = False
 
     # -- start / stop -----------------------------------------------------------------------------
-    def start(self, rank0: GroupRank, *, stopping: Callable[[], bool] = lambda: False) -> None:
+    def start(self, rank0: GroupRank) -> None:
         import torch.distributed as dist
 
         from services.trainer import wire
@@ -223,7 +222,7 @@ class ShardGroup:
                     why = self._last_error(rank)
                     raise RuntimeError(f"trainer rank {rank} exited with code {proc.returncode} before joining the "
                                        f"group{f' ({why})' if why else ''}; its log: {self._log(rank)}")
-                if time.monotonic() > deadline or stopping():
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"trainer rank {rank} did not join the group within {self.timeout_s:.0f}s")
                 time.sleep(0.05)
         torch.set_num_threads(self._threads())

@@ -79,10 +79,6 @@ def send_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None
         dist.broadcast(buffer, src=0)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    return hasattr(model, "gyre_decode")
-
-
 def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
     """The full state dict, one tensor at a time (every rank of the group calls this, in step);
     ``keep``: this rank keeps CPU copies (rank 0, for publishing), the others drop each at once."""
@@ -97,4 +93,4 @@ def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tenso
     return out
 
 
-__all__ = ["decoder_layers", "gather_state", "is_sharded", "send_from_rank0", "shard_model"]
+__all__ = ["decoder_layers", "gather_state", "send_from_rank0", "shard_model"]

@@ -239,9 +239,7 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
     from services.trainer.journal import journaled_ack
     from services.trainer.learner import MicroBatchAborted
 
-    if journal is not None and journal.committed(step, d.batch_id):
-        d.ack()
-        log.info("micro-batch already trained (journal replay); skipped", batch_id=d.batch_id, step=step)
+    if _already_trained(d, step=step, journal=journal, log=log):
         return False
     t0 = time.perf_counter()
     try:
@@ -255,10 +253,7 @@ def train_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
                  seconds=round(time.perf_counter() - t0, 3))
         return False
     except (InvalidArgument, FailedPrecondition) as exc:
-        # A malformed micro-batch is refused (never trained); the step continues without it.
-        m.REJECTED.labels(reason=type(exc).__name__).inc()
-        log.error("micro-batch rejected", batch_id=d.batch_id, step=step, error=str(exc))
-        d.reject(str(exc))
+        _reject(d, exc, step=step, log=log)
         return False
     m.MICRO_BATCHES.inc()
     m.TOKENS.inc(len(d.batch.input_ids))
@@ -275,21 +270,34 @@ def claim_delivery(learner: Any, d: Delivery, *, step: int, journal: Any, log: A
     give a batch back mid-round). None for a batch already trained (journal replay: acked), a
     malformed one (rejected) or one the queue re-handed meanwhile (refused ack)."""
     from services.common.errors import FailedPrecondition, InvalidArgument
-    from services.trainer import metrics as m
     from services.trainer.journal import journaled_ack
 
-    if journal is not None and journal.committed(step, d.batch_id):
-        d.ack()
-        log.info("micro-batch already trained (journal replay); skipped", batch_id=d.batch_id, step=step)
+    if _already_trained(d, step=step, journal=journal, log=log):
         return None
     try:
         learner.check(d.batch)
     except (InvalidArgument, FailedPrecondition) as exc:
-        m.REJECTED.labels(reason=type(exc).__name__).inc()
-        log.error("micro-batch rejected", batch_id=d.batch_id, step=step, error=str(exc))
-        d.reject(str(exc))
+        _reject(d, exc, step=step, log=log)
         return None
     if not journaled_ack(journal, step, d.batch_id, d.batch, d.ack)():
         log.warning("micro-batch re-handed before its ack; not trained", batch_id=d.batch_id, step=step)
         return None
     return d.batch
+
+
+def _already_trained(d: Delivery, *, step: int, journal: Any, log: Any) -> bool:
+    """A batch the step journal says was trained before a restart: acked, not trained again."""
+    if journal is None or not journal.committed(step, d.batch_id):
+        return False
+    d.ack()
+    log.info("micro-batch already trained (journal replay); skipped", batch_id=d.batch_id, step=step)
+    return True
+
+
+def _reject(d: Delivery, exc: Exception, *, step: int, log: Any) -> None:
+    """A malformed micro-batch is refused (never trained); the step continues without it."""
+    from services.trainer import metrics as m
+
+    m.REJECTED.labels(reason=type(exc).__name__).inc()
+    log.error("micro-batch rejected", batch_id=d.batch_id, step=step, error=str(exc))
+    d.reject(str(exc))
