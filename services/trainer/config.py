@@ -44,7 +44,8 @@ class TrainerConfig(ServerConfig):
     replica_device: str = setting("", "Replica mode: torch device; empty = cuda if available, else cpu.")
     replica_max_steps: int = setting(0, "Replica mode: leave after this many steps (0 = until released).")
     replica_threads: int = setting(0, "Replica mode: torch intra-op threads (0 = torch's default).")
-    replica_log_dir: str = setting(".gyre/logs", "Core: directory for logs of replicas it spawns (AddReplica).")
+    replica_log_dir: str = setting(".gyre/logs", "Core: directory for logs of replicas it spawns (AddReplica); "
+                                                 "replica: for logs of its group's ranks (a sharded job).")
     warm_replicas: int = setting(1, "Core: replica processes started ahead (imports done, a model run once) and "
                                     "reused: AddReplica hands one a cell, which then skips ~5 s of start-up, and "
                                     "it waits for the next cell once its cell is given back (the pool grows to "

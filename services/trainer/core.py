@@ -37,7 +37,7 @@ from services.trainer.job import TrainerJob
 from services.trainer.build import build_learner
 from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
 from services.trainer.journal import StepJournal, journal_for
-from services.trainer.sources import BatchSource, claim_delivery, open_source, train_delivery
+from services.trainer.sources import BatchSource, open_source, train_delivery
 from services.trainer.weights import PublishReport, WeightStore, push_to_engines, state_bytes
 
 log = get_logger(__name__)
@@ -280,7 +280,7 @@ class CoreTrainer:
         participants = tuple(str(x["replica_id"]) for x in self.membership.members()
                              if x["step"] == step and x["rank"] > 0 and not x["evicted"])
         try:
-            reduce_s = self._reduce(seal, learner)
+            reduce_s = self._reduce(seal, st)
         except ReduceCalledOff as exc:  # a participant died after the seal: train its share here
             slog.warning("all-reduce called off", step=step, error=str(exc))
             self.membership.call_off(step)
@@ -290,7 +290,10 @@ class CoreTrainer:
         m.EVICTED.inc(evicted)
         for grads in st.handoffs.pop(step, []):
             stats_vec, extrema = grads.pop(STATS_KEY, None), grads.pop(EXTREMA_KEY, None)
-            learner.add_grads(grads)
+            if st.group is not None:  # into every rank's shards; the statistics once, on rank 0
+                st.group.add_grads(grads)
+            else:
+                learner.add_grads(grads)
             if stats_vec is not None and extrema is not None:
                 learner.stats.merge(stats_vec, extrema)
         handed = [x for x in self.membership.members() if x["step"] == step and x["left"]]
@@ -361,8 +364,7 @@ class CoreTrainer:
 
     def _drain(self, st: _JobState, step: int, slog: Any) -> tuple[int, float]:
         """Train what the step's queue hands this trainer until it is dry: (micro-batches trained,
-        seconds spent training them). A sharded group takes them a round at a time, one per rank
-        (the last round of the step padded), each validated, journaled and acknowledged here first."""
+        seconds spent training them). A sharded group takes them a round at a time (``ShardGroup.drain``)."""
         trained, seconds = 0, 0.0
         if st.group is None:
             while (d := st.source.next(step)) is not None:
@@ -370,28 +372,7 @@ class CoreTrainer:
                 trained += train_delivery(st.learner, d, step=step, journal=st.journal, log=slog)
                 seconds += time.perf_counter() - t0
             return trained, seconds
-        dry = False
-        while not dry:
-            batches: list[Any] = []
-            while len(batches) < st.group.world:
-                if (d := st.source.next(step)) is None:
-                    dry = True
-                    break
-                if (batch := claim_delivery(st.learner, d, step=step, journal=st.journal, log=slog)) is not None:
-                    batches.append(batch)
-            if batches:
-                t0 = time.perf_counter()
-                st.group.train(batches)
-                elapsed = time.perf_counter() - t0
-                seconds += elapsed
-                trained += len(batches)
-                tokens = sum(len(b.input_ids) for b in batches)
-                m.MICRO_BATCHES.inc(len(batches))
-                m.TOKENS.inc(tokens)
-                slog.info("micro-batches trained by the group", step=step, micro_batches=len(batches),
-                          ranks=st.group.world, tokens=tokens, seconds=round(elapsed, 3),
-                          tok_s=round(tokens / max(elapsed, 1e-9), 1))
-        return trained, seconds
+        return st.group.drain(st.source, step, journal=st.journal, log=slog)
 
     def _retrain_lost(self, st: _JobState, step: int, slog: Any) -> tuple[int, int]:
         """Train here what left the step untrained: the micro-batches evicted replicas (dead, or
@@ -421,7 +402,9 @@ class CoreTrainer:
                      handed_back=handed_back)
         return retrained, handed_back
 
-    def _reduce(self, seal: Seal, learner: Learner) -> float:
+    def _reduce(self, seal: Seal, st: _JobState) -> float:
+        """The step's all-reduce with the replicas (replica groups of a sharded job: each rank with
+        the same rank of every group); the statistics too."""
         if seal.world_size <= 1:
             return 0.0
         start = time.perf_counter()
@@ -430,6 +413,10 @@ class CoreTrainer:
         # every participant arrives first: one that died after the seal calls the reduce off
         # instead of leaving the group's setup waiting for it until collective_timeout_s
         arrive(self.store, seal, timeout_s=self.collective_timeout_s, gone=lambda: membership.sealed_gone(seal.step))
+        if st.group is not None:
+            st.group.reduce(seal)
+            return time.perf_counter() - start
+        learner = st.learner
         group = open_group(seal, store_host=self.store_host, store_port=self.store_port,
                            backend=backend_for(learner.policy.device), timeout_s=self.collective_timeout_s,
                            store=self.store)
@@ -461,13 +448,6 @@ class CoreTrainer:
             log.warning("step report failed", job_id=job.job_id, step=step, phase=phase, error=str(exc))
 
     # -- replica-facing operations (called by the servicer) ---------------------------------------
-    def check_replicas_join(self) -> None:
-        """Refuse a replica for a job trained by a sharded group (one sentence)."""
-        st = self._state
-        if st is not None and st.job.shards > 1:
-            raise FailedPrecondition(f"job {st.job.job_id!r} trains on a sharded group of {st.job.shards} ranks; "
-                                     f"replica groups joining it mid-step are not built yet")
-
     def hand_off(self, replica_id: str, step: int, grads: dict[str, torch.Tensor]) -> None:
         """Take the gradient sum of a replica leaving ``step`` mid-way, then drop it from the step."""
         st = self._require()

@@ -16,6 +16,10 @@ the core applies the optimizer and publishes version s+1.
     all-reduce SUM  <══════════ gloo/NCCL ══════════> all-reduce SUM
     optimizer.step, publish v+1           re-JoinStep for s+1 (GetWeights v+1) or leave
 
+A sharded job's participants are groups of N ranks (services.trainer.group): the membership and
+the arrival are the groups' rank 0 processes'; the all-reduce is N process groups, one per shard
+index r, under ``<prefix>/shard<r>``, each of one rank per group (HSDP).
+
 ``StepMembership`` lifecycle per step: OPEN (joins land in this step) -> SEALED (world fixed;
 joins land in the next step) -> next ``open_step``. A member that leaves before the seal is
 dropped (it hands its gradient sum to the core first, see ``Learner.add_grads``). A member whose
@@ -425,17 +429,13 @@ def gloo_device(store_host: str, store_port: int) -> object:
     return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(store_host, store_port))
 
 
-def all_reduce_step(group: object, buckets: list[list[torch.nn.Parameter]], stats_vec: torch.Tensor,
+def all_reduce_step(group: object, buckets: list[list[torch.Tensor]], stats_vec: torch.Tensor,
                     extrema: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SUM the gradient buckets in place (flattened per bucket) plus the stats; MAX the extrema."""
     import torch.distributed as dist
 
     pg = group
-    for bucket in buckets:
-        grads: list[torch.Tensor] = []
-        for p in bucket:
-            assert p.grad is not None
-            grads.append(p.grad)
+    for grads in buckets:
         flat = torch.cat([g.reshape(-1) for g in grads])
         pg.allreduce([flat]).wait()  # type: ignore[attr-defined]
         offset = 0

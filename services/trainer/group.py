@@ -17,7 +17,17 @@ run the same sequence of forwards and backwards, in lockstep::
       finish(step)            statistics all-reduced (SUM; extrema MAX); clip + AdamW on each shard
       gather                  the full state dict a tensor at a time; rank 0 keeps it (publishing)
       save(path) / load(path) a DCP checkpoint, every rank its shards (load: any world size saved it)
+      reduce(seal)            rank r of every group taking part in the step (the core group and
+                              replica groups: HSDP) all-reduces its gradient shards and statistics
+                              in the step's process group for shard r
+      handoff                 a leaving replica group's gradient sums gathered onto its rank 0
+      add_grads               rank 0's whole gradient sums (a hand-off) added to every rank's shards
+      weights                 rank 0's whole weights (a version a replica group pulled) into the shards
       stop                    the ranks exit
+
+A replica group (``role="replica"``, services.trainer.replica) is the same machinery on a freed
+cell: its rank 0 is the replica process, which pulls version v, starts its ranks and joins the
+core's step; it trains rounds of the same queue and carries no optimizer state.
 
 Rank 0 validates, journals and acknowledges each micro-batch before it is scattered (the queue's
 consumer is the group). A rank that dies fails the running operation on every other rank (gloo
@@ -32,6 +42,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +68,9 @@ class Op:
     version: int = 0
     forwards: int = 0  # round: forward pieces per pass
     path: str = ""     # save / load: the checkpoint's DCP folder / directory
+    prefix: str = ""   # reduce: the step's store prefix; this group's rank in it, and the groups
+    rank: int = 0
+    world: int = 0
 
 
 def peak_rss_mib() -> float:
@@ -64,9 +78,10 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def rank_device(job: TrainerJob, rank: int) -> torch.device:
-    """A rank's device: CUDA ranks take one device each (``cuda:<first + rank>``), CPU ranks the CPU."""
-    device = torch.device(job.device)
+def rank_device(job: TrainerJob, rank: int, base: str = "") -> torch.device:
+    """A rank's device: CUDA ranks take one device each (``cuda:<first + rank>`` from ``base``, the
+    group's first device, by default the job's), CPU ranks the CPU."""
+    device = torch.device(base or job.device)
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)
@@ -77,33 +92,42 @@ def backend_of(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def check_group(job: TrainerJob) -> None:
-    """Refuse a group this host cannot hold (one sentence), before anything starts."""
+def check_group(job: TrainerJob, base: str = "") -> None:
+    """Refuse a group this host cannot hold (one sentence), before anything starts; ``base``: the
+    group's first device (a replica group's cell), by default the job's."""
     if job.shards <= 1:
         return
-    device = torch.device(job.device)
+    where = base or job.device
+    device = torch.device(where)
     if device.type == "cuda":
         first = device.index or 0
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if first + job.shards > have:
-            raise ValueError(f"a group of {job.shards} ranks from {job.device} needs {first + job.shards} CUDA "
+            raise ValueError(f"a group of {job.shards} ranks from {where} needs {first + job.shards} CUDA "
                              f"devices; this host has {have}")
     elif device.type != "cpu":
-        raise ValueError(f"sharded trainer groups run on 'cpu' or 'cuda', not {job.device!r}")
+        raise ValueError(f"sharded trainer groups run on 'cpu' or 'cuda', not {where!r}")
 
 
 class GroupRank:
     """What every rank runs, rank 0 included: the learner on its shard and the operations.
 
     Lifecycle: GroupRank(job, rank) (builds the whole model, seeded) -> shard() (after the process
-    group exists: FSDP units, the optimizer on the shards) -> run(op, batch) ... -> stop."""
+    group exists: FSDP units, the optimizer on the shards of a core group) -> run(op, ...) ... -> stop.
+    ``store``: a client of the core's TCPStore (the steps' cross-group process groups meet there)."""
 
-    def __init__(self, job: TrainerJob, rank: int) -> None:
+    def __init__(self, job: TrainerJob, rank: int, *, base: str = "", role: str = "core") -> None:
         from services.trainer.build import build_learner  # late: torch's model code
 
+        if role not in ("core", "replica"):
+            raise ValueError(f"a group's role is 'core' or 'replica', not {role!r}")
         self.job = job
         self.rank = rank
-        self.device = rank_device(job, rank)
+        self.role = role
+        self.store: Any = None  # set when the group forms: the core's store, its address, the timeout
+        self.store_addr = ("", 0)
+        self.timeout_s = 600.0
+        self.device = rank_device(job, rank, base)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(job.seed)
@@ -120,12 +144,14 @@ class GroupRank:
         shard_model(model, device=self.device, bf16=self.job.dtype == "bfloat16")
         send_from_rank0(model, full, device=self.device)
         del full  # rank 0's whole tensors: its shards are copies
-        self.updater = Updater(model, self.job.optim)
+        if self.role == "core":  # replica groups carry no optimizer state
+            self.updater = Updater(model, self.job.optim)
 
     def forwards_of(self, batch: PackedBatchLike) -> int:
         return self.learner.policy.forwards_of(len(batch.input_ids), tuple(int(x) for x in batch.piece_starts))
 
-    def run(self, op: Op, batch: PackedBatchLike | None = None) -> Any:
+    def run(self, op: Op, batch: PackedBatchLike | None = None, payload: Any = None) -> Any:
+        """Run ``op`` (every rank in step); ``payload``: rank 0's whole tensors of weights/add_grads."""
         import torch.distributed as dist
 
         if op.kind == "begin":
@@ -156,7 +182,47 @@ class GroupRank:
             else:
                 ckpt.load_into(op.path, self.learner.model, self.updater.optimizer, distributed=True)
             return None
+        if op.kind == "reduce":
+            return self._reduce(op)
+        if op.kind == "handoff":
+            return self._handoff()
+        if op.kind in ("weights", "add_grads"):
+            from services.trainer.sharding import add_full_grads, send_from_rank0
+
+            fn = send_from_rank0 if op.kind == "weights" else add_full_grads
+            fn(self.learner.model, payload if self.rank == 0 else None, device=self.device)
+            return None
         raise ValueError(f"unknown group operation {op.kind!r}")
+
+
+    def _reduce(self, op: Op) -> None:
+        """This rank's part of the step's all-reduce across groups: with rank ``self.rank`` of every
+        other group, in the process group of shard ``self.rank`` under the step's prefix."""
+        from services.trainer.elastic import Seal, all_reduce_step, open_group
+
+        assert self.store is not None, "a group rank needs the core's store to reduce across groups"
+        seal = Seal(step=op.step, rank=op.rank, world_size=op.world, group_prefix=f"{op.prefix}/shard{self.rank}")
+        pg = open_group(seal, store_host=self.store_addr[0], store_port=self.store_addr[1],
+                        backend="nccl" if self.device.type == "cuda" else "gloo", store=self.store,
+                        timeout_s=self.timeout_s)
+        stats = self.learner.stats
+        vec, ext = all_reduce_step(pg, list(self.learner.grad_buckets()), stats.vector(), stats.extrema())
+        stats.load_vector(vec)
+        stats.load_extrema(ext)
+
+    def _handoff(self) -> dict[str, torch.Tensor]:
+        """The group's gradient sums and statistics as one whole-model hand-off (kept on rank 0)."""
+        import torch.distributed as dist
+
+        from services.trainer.learner import EXTREMA_KEY, STATS_KEY
+        from services.trainer.sharding import gather_grads
+
+        stats = self.learner.stats
+        vec, ext = stats.vector(), stats.extrema()
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+        dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        grads = gather_grads(self.learner.model, keep=self.rank == 0)
+        return {**grads, STATS_KEY: vec, EXTREMA_KEY: ext} if self.rank == 0 else {}
 
 
 def _broadcast(obj: Any) -> Any:
@@ -179,12 +245,15 @@ class ShardGroup:
     """Rank 0's side of a group: starts ranks 1..N-1, builds the process group, drives operations.
 
     Lifecycle: ShardGroup(job, ...) -> start(rank0) (spawns, waits for every rank, shards) ->
-    begin / train / finish / gather per step -> close() (stops the ranks, or kills them after a
-    failure, and destroys the process group)."""
+    begin / train (drain) / reduce / finish / gather per step -> close() (stops the ranks, or kills
+    them after a failure, and destroys the process group). ``base``: the group's first device;
+    ``role``: "core" (the optimizer's group) or "replica" (a freed cell's, no optimizer state)."""
 
     def __init__(self, job: TrainerJob, *, store: Any, store_host: str, store_port: int, log_dir: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, base: str = "", role: str = "core") -> None:
         self.job = job
+        self.base = base
+        self.role = role
         self.world = job.shards
         self.store = store
         self.store_host, self.store_port = store_host, store_port
@@ -206,10 +275,14 @@ class ShardGroup:
             raise RuntimeError("this process already belongs to a process group (one sharded job at a time)")
         store = dist.PrefixStore(self.prefix, self.store)
         store.set("job", wire.job_to_proto(self.job).SerializeToString())
+        rank0.store, rank0.store_addr, rank0.timeout_s = self.store, (self.store_host, self.store_port), self.timeout_s
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(1, self.world):
             cmd = [sys.executable, "-m", "services.trainer.group", "--store", f"{self.store_host}:{self.store_port}",
-                   "--prefix", self.prefix, "--rank", str(rank), "--world-size", str(self.world)]
+                   "--prefix", self.prefix, "--rank", str(rank), "--world-size", str(self.world),
+                   "--role", self.role, "--timeout-s", str(self.timeout_s)]
+            if self.base:
+                cmd += ["--device", self.base]
             with open(self._log(rank), "ab") as out:
                 # the core's working directory: relative paths of the job (model cache) mean the same
                 env = {**os.environ, "OMP_NUM_THREADS": str(self._threads()),
@@ -231,7 +304,7 @@ class ShardGroup:
         self._formed = True
         rank0.shard()
         self.rank0 = rank0
-        log.info("trainer group formed", job_id=self.job.job_id, ranks=self.world,
+        log.info("trainer group formed", job_id=self.job.job_id, ranks=self.world, role=self.role,
                  pids=[os.getpid()] + [p.pid for p in self.procs])
 
     def _threads(self) -> int:
@@ -259,7 +332,8 @@ class ShardGroup:
         return "; ".join(ended)
 
     def _log(self, rank: int) -> Path:
-        return self.log_dir / f"trainer-{self.job.job_id}-rank{rank}.log"
+        role = "" if self.role == "core" else f"-replica{os.getpid()}"
+        return self.log_dir / f"trainer-{self.job.job_id}{role}-rank{rank}.log"
 
     def _last_error(self, rank: int) -> str:
         """The last line of the last exception in a rank's log (its JSON lines), if any."""
@@ -305,11 +379,11 @@ class ShardGroup:
             self._formed = False
 
     # -- operations -------------------------------------------------------------------------------
-    def _run(self, op: Op, batches: Sequence[PackedBatchLike | None] | None = None) -> Any:
+    def _run(self, op: Op, batches: Sequence[PackedBatchLike | None] | None = None, payload: Any = None) -> Any:
         assert self.rank0 is not None
         _broadcast(op)
         mine = _scatter(batches) if op.kind == "round" else None
-        return self.rank0.run(op, mine)
+        return self.rank0.run(op, mine, payload)
 
     def begin(self, step: int, version: int) -> None:
         self._run(Op("begin", step=step, version=version))
@@ -320,6 +394,56 @@ class ShardGroup:
         forwards = max(self.rank0.forwards_of(b) for b in batches)
         padded: list[PackedBatchLike | None] = [*batches, *([None] * (self.world - len(batches)))]
         self._run(Op("round", forwards=forwards), padded)
+
+    def drain(self, source: Any, step: int, *, journal: Any, log: Any,
+              stop: threading.Event | None = None) -> tuple[int, float]:
+        """Train what the step's queue hands this group until it is dry (or ``stop`` is set: a
+        replica group given back trains the round it holds, then stops), a round at a time, one
+        micro-batch per rank (the last round padded), each validated, journaled and acknowledged by
+        rank 0 first: (micro-batches trained, seconds spent training them)."""
+        from services.trainer import metrics as m
+        from services.trainer.sources import claim_delivery
+
+        assert self.rank0 is not None
+        trained, seconds, dry = 0, 0.0, False
+        while not dry:
+            batches: list[Any] = []
+            while len(batches) < self.world:
+                if (stop is not None and stop.is_set()) or (d := source.next(step)) is None:
+                    dry = True
+                    break
+                if (batch := claim_delivery(self.rank0.learner, d, step=step, journal=journal, log=log)) is not None:
+                    batches.append(batch)
+            if not batches:
+                continue
+            t0 = time.perf_counter()
+            self.train(batches)
+            elapsed = time.perf_counter() - t0
+            seconds += elapsed
+            trained += len(batches)
+            tokens = sum(len(b.input_ids) for b in batches)
+            m.MICRO_BATCHES.inc(len(batches))
+            m.TOKENS.inc(tokens)
+            log.info("micro-batches trained by the group", step=step, micro_batches=len(batches), ranks=self.world,
+                     tokens=tokens, seconds=round(elapsed, 3), tok_s=round(tokens / max(elapsed, 1e-9), 1))
+        return trained, seconds
+
+    def reduce(self, seal: Any) -> None:
+        """The step's all-reduce across groups (HSDP): every rank with the same rank of the other
+        groups, this group being ``seal.rank`` of ``seal.world_size``; statistics included."""
+        self._run(Op("reduce", step=seal.step, prefix=seal.group_prefix, rank=seal.rank, world=seal.world_size))
+
+    def handoff_state(self) -> dict[str, torch.Tensor]:
+        """The group's gradient sums (whole, by parameter name) and statistics, for a hand-off."""
+        return self._run(Op("handoff"))  # type: ignore[no-any-return]
+
+    def add_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add a whole-model gradient sum (a leaving replica's hand-off) to the ranks' shards."""
+        self._run(Op("add_grads"), payload=grads)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole weights (a version pulled from the core) into every rank's shards."""
+        self._run(Op("weights"), payload=state)
 
     def finish(self, step: int) -> float:
         """Reduce the step's statistics over the ranks and apply the update; the gradient norm."""
@@ -353,15 +477,19 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--device", default="", help="the group's first device (default: the job's)")
+    p.add_argument("--role", default="core", choices=("core", "replica"))
     args = p.parse_args(argv)
     setup_logging(json=True, service=f"trainer-rank{args.rank}")
     host, _, port = args.store.rpartition(":")
     timeout = datetime.timedelta(seconds=args.timeout_s)
-    store = dist.PrefixStore(args.prefix, dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+    raw = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    store = dist.PrefixStore(args.prefix, raw)
     spec = trainer_pb2.TrainerJobSpec()
     spec.ParseFromString(store.get("job"))
     job = wire.job_from_proto(spec)
-    rank = GroupRank(job, args.rank)
+    rank = GroupRank(job, args.rank, base=args.device, role=args.role)
+    rank.store, rank.store_addr, rank.timeout_s = raw, (host, int(port)), args.timeout_s
     store.set(f"ready/{args.rank}", "1")
     dist.init_process_group(backend_of(rank.device), store=store, rank=args.rank, world_size=args.world_size,
                             timeout=timeout)

@@ -277,13 +277,16 @@ class Learner:
         return True
 
     # -- gradient buffers for the all-reduce ------------------------------------------------------
-    def grad_buckets(self, bucket_bytes: int = 64 << 20) -> Iterator[list[torch.nn.Parameter]]:
-        """Parameters grouped into buckets of about ``bucket_bytes`` of gradient."""
-        bucket: list[torch.nn.Parameter] = []
+    def grad_buckets(self, bucket_bytes: int = 64 << 20) -> Iterator[list[torch.Tensor]]:
+        """The gradient sums grouped into buckets of about ``bucket_bytes``, for the step's all-reduce;
+        a sharded model's are this rank's shards (what the same rank of another group holds too)."""
+        bucket: list[torch.Tensor] = []
         size = 0
         for p in self.params:
-            bucket.append(p)
-            size += p.numel() * p.element_size()
+            assert p.grad is not None, "begin_step gives every parameter a gradient"
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0

@@ -101,7 +101,8 @@ def run_replica(cfg: TrainerConfig) -> int:
 
     with _core_client(cfg) as core:
         replica = Replica(core, replica_id=cfg.replica_id or default_replica_id(cfg.cell_id), cell_id=cfg.cell_id,
-                          device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop)
+                          device=cfg.replica_device, max_steps=cfg.replica_max_steps, stop_event=stop,
+                          rank_log_dir=cfg.replica_log_dir)
         # SIGTERM = give the cell back now: the running forward stops at its next layer (hand-off).
         signal.signal(signal.SIGTERM, lambda *_: replica.interrupt())
         signal.signal(signal.SIGINT, lambda *_: replica.interrupt())
@@ -239,7 +240,8 @@ def _run_pooled(cfg: TrainerConfig) -> int:
                   cells=cells)
         with _core_client(cfg) as core:
             replica = Replica(core, replica_id=replica_id, cell_id=cell_id, device=cfg.replica_device,
-                              max_steps=cfg.replica_max_steps, stop_event=threading.Event(), reuse=kept)
+                              max_steps=cfg.replica_max_steps, stop_event=threading.Event(), reuse=kept,
+                              rank_log_dir=cfg.replica_log_dir)
             current.append(replica)
             release.started(replica)
             if exiting.is_set():

@@ -20,6 +20,15 @@ next decoder layer and hand the batch back to the queue (one already acknowledge
 then hand the gradient sum accumulated so far to the core (HandOffGradients) - or just LeaveStep
 if it trained nothing - and exit. Once the step is sealed the replica completes the all-reduce
 first (the others are waiting for it), then exits.
+
+A job trained by a sharded core group (``shards = N``) is joined by a *replica group* of the same
+shape (services.trainer.group, HSDP): this process is its rank 0; it pulls version v whole, starts
+ranks 1..N-1 and hands each its shards; the group takes micro-batches a round at a time (one per
+rank, the forward never given up mid-round: the ranks run in lockstep); at the seal each rank
+all-reduces its gradient shards with the same rank of every other group; a leaving group hands off
+its gradient sums gathered whole. A rank that dies fails this process, so the core evicts the group
+and trains its share again. The group is kept across the job's steps (the next version is loaded
+into its shards).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +49,7 @@ from services.trainer.client import Interrupted, TrainerClient
 from services.trainer.core import backend_for
 from services.trainer.build import build_learner
 from services.trainer.elastic import JoinTicket, ReduceCalledOff, all_reduce_step, arrive, open_group
+from services.trainer.group import GroupRank, ShardGroup, check_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import Learner
 from services.trainer.journal import journal_for
@@ -63,7 +74,7 @@ class Replica:
 
     def __init__(self, core: TrainerClient, *, replica_id: str, cell_id: str, device: str = "",
                  max_steps: int = 0, stop_event: threading.Event | None = None,
-                 reuse: tuple[Learner, TrainerJob] | None = None) -> None:
+                 reuse: tuple[Learner, TrainerJob] | None = None, rank_log_dir: str = ".gyre/logs") -> None:
         self.core = core
         self.replica_id = replica_id
         self.cell_id = cell_id
@@ -76,6 +87,8 @@ class Replica:
         self._learner: Learner | None = reuse[0] if reuse is not None else None
         self._job: TrainerJob | None = reuse[1] if reuse is not None else None
         self._source: BatchSource | None = None
+        self._group: ShardGroup | None = None  # a sharded job's replica group (this process is its rank 0)
+        self.rank_log_dir = rank_log_dir
         self._alive_stop = threading.Event()
         self._alive: threading.Thread | None = None
         self._store: tuple[tuple[str, int], Any] | None = None
@@ -96,10 +109,31 @@ class Replica:
             interrupt()
 
     def run(self) -> ReplicaStats:
+        clean = False
         try:
-            return self._run()
+            stats = self._run()
+            clean = True
+            return stats
+        except Exception:
+            ended = self._group.ended_ranks() if self._group is not None else ""
+            if ended:  # the cause, in one line, before the collective's error
+                self.log.error("the replica group lost a rank; this replica fails and the core trains its share",
+                               ranks=ended)
+            raise
         finally:
             self._alive_stop.set()
+            self._close_group(clean=clean)
+
+    def _close_group(self, *, clean: bool) -> None:
+        """Stop this replica's group (``clean``: its ranks wait for an operation), or kill its ranks."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            group.close(clean=clean)
+        except Exception as exc:  # deliberate: the ranks were killed; the replica's outcome stands
+            self.log.error("closing the replica group failed", error=str(exc))
+        self._learner = None
 
     def _store_for(self, host: str, port: int) -> Any:
         """A client of the core's rendezvous store (one per core address, kept across steps)."""
@@ -116,7 +150,9 @@ class Replica:
     def reusable(self) -> tuple[Learner, TrainerJob] | None:
         """The model this replica trained (weights are pulled again): the next replica of a pool
         process starts from it when it trains the same job."""
-        return (self._learner, self._job) if self._learner is not None and self._job is not None else None
+        if self._group is not None or self._learner is None or self._job is None:
+            return None  # a replica group's ranks end with it
+        return self._learner, self._job
 
     def _heartbeat(self, interval_s: float) -> None:
         """Tell the core this replica lives, every ``interval_s``, until ``run`` returns."""
@@ -140,50 +176,61 @@ class Replica:
                 self._alive = threading.Thread(target=self._heartbeat, args=(ticket.heartbeat_interval_s,),
                                                name="replica-alive", daemon=True)
                 self._alive.start()
-            if self._learner is None or self._job is None or self._job.job_id != job.job_id:
+            if self._job is None or self._job.job_id != job.job_id:
                 if self._source is not None:
                     self._source.close()
                     self._source = None
-                self._learner = build_learner(job, self.device)
-                self._job = job
-            # a release gives the running forward up at its next layer (never after its ack)
-            self._learner.abort_on(self.stop_event)
+                self._close_group(clean=True)
+                self._learner, self._job, held_version = None, job, -1
             if self._source is None:
                 self._source = open_source(job.source, store_host=ticket.store_host, store_port=ticket.store_port,
                                            job_id=job.job_id, consumer_id=self.replica_id,
                                            trajectory_address=job.trajectory_address)
-            learner, source = self._learner, self._source
-            assert source is not None
+            source = self._source
+            if job.shards > 1 and self._group is None:
+                try:  # before pulling weights it could not use
+                    check_group(job, str(self.device))
+                except ValueError as exc:
+                    self.core.leave_step(self.replica_id)
+                    raise FailedPrecondition(f"this cell cannot hold a replica group of job {job.job_id!r}: "
+                                             f"{exc}") from None
             if held_version != ticket.weight_version:
                 self._phase = "loading weights"
                 try:
                     _, state = self.core.get_weights(ticket.weight_version, wait_s=3600.0, stop=self.stop_event)
                 except Interrupted:
-                    self._leave(ticket, 0, learner)  # its cell is wanted back: no weights it won't use
+                    self._leave(ticket, 0, dict)  # its cell is wanted back: no weights it won't use
                     break
-                load_state(learner.model, state)
+                self._load(job, ticket, state)
                 held_version = ticket.weight_version
+            learner, group = self._learner, self._group
+            assert learner is not None
             if self.stats.steps == 0:
                 self.stats.join_latency_s = time.perf_counter() - t0
                 log.info("replica ready", join_latency_s=round(self.stats.join_latency_s, 3),
                          weight_version=held_version)
-            learner.begin_step(ticket.step, ticket.weight_version)
             journal = journal_for(job.checkpoint_dir, job.job_id)
-            trained = 0
-            while not self.stop_event.is_set():
-                self._phase = "waiting for a micro-batch"
-                d = source.next(ticket.step)  # None at the step's end, or after interrupt()
-                if d is None:
-                    break
-                self._phase = "training a micro-batch"
-                trained += train_delivery(learner, d, step=ticket.step, journal=journal, log=log)
+            if group is not None:
+                group.begin(ticket.step, ticket.weight_version)
+                self._phase = "training rounds"
+                trained, _ = group.drain(source, ticket.step, journal=journal, log=log, stop=self.stop_event)
+            else:
+                learner.begin_step(ticket.step, ticket.weight_version)
+                trained = 0
+                while not self.stop_event.is_set():
+                    self._phase = "waiting for a micro-batch"
+                    d = source.next(ticket.step)  # None at the step's end, or after interrupt()
+                    if d is None:
+                        break
+                    self._phase = "training a micro-batch"
+                    trained += train_delivery(learner, d, step=ticket.step, journal=journal, log=log)
             self.stats.micro_batches += trained
             assert self.stats.per_step_batches is not None
             self.stats.per_step_batches[ticket.step] = trained
             leaving = self.stop_event.is_set()
             if leaving:
                 try:
-                    self._leave(ticket, trained, learner)
+                    self._leave(ticket, trained, group.handoff_state if group is not None else learner.handoff_state)
                     break
                 except FailedPrecondition as exc:
                     if "is sealed" not in str(exc):
@@ -195,6 +242,9 @@ class Replica:
             seal = self.core.await_reduce(self.replica_id, ticket.step)
             if seal.world_size > 1:
                 store = self._store_for(ticket.store_host, ticket.store_port)
+                ended = group.ended_ranks(wait_s=0) if group is not None else ""
+                if ended:  # before arriving: the core sees this process gone and calls the reduce off
+                    raise RuntimeError(f"this replica's group lost a rank: {ended}")
                 try:
                     arrive(store, seal, timeout_s=COLLECTIVE_TIMEOUT_S)
                 except ReduceCalledOff as exc:
@@ -204,9 +254,12 @@ class Replica:
                     if leaving or seal.release or ticket.step + 1 >= job.num_steps:
                         break
                     continue
-                group = open_group(seal, store_host=ticket.store_host, store_port=ticket.store_port,
-                                   backend=backend or backend_for(self.device), store=store)
-                all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
+                if group is not None:
+                    group.reduce(seal)
+                else:
+                    pg = open_group(seal, store_host=ticket.store_host, store_port=ticket.store_port,
+                                    backend=backend or backend_for(self.device), store=store)
+                    all_reduce_step(pg, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
             self.stats.steps += 1
             held_version = ticket.weight_version  # the core's update makes it stale; next join pulls v+1
             release_free_memory()  # the step's activations are freed: their pages go back to the OS
@@ -237,14 +290,36 @@ class Replica:
             if self.stop_event.wait(0.5):
                 return None
 
-    def _leave(self, ticket: JoinTicket, trained: int, learner: Learner) -> None:
+    def _load(self, job: TrainerJob, ticket: JoinTicket, state: dict[str, torch.Tensor]) -> None:
+        """Load pulled weights: into this process's model, or the replica group's shards (the group
+        forms on its first version)."""
+        if job.shards <= 1:
+            if self._learner is None:
+                self._learner = build_learner(job, self.device)
+            # a release gives the running forward up at its next layer (never after its ack)
+            self._learner.abort_on(self.stop_event)
+            load_state(self._learner.model, state)
+            return
+        if self._group is not None:
+            self._group.load_weights(state)
+            return
+        rank0 = GroupRank(job, 0, base=str(self.device), role="replica")
+        load_state(rank0.learner.model, state)
+        del state
+        self._group = ShardGroup(job, store=self._store_for(ticket.store_host, ticket.store_port),
+                                 store_host=ticket.store_host, store_port=ticket.store_port, log_dir=self.rank_log_dir,
+                                 timeout_s=COLLECTIVE_TIMEOUT_S, base=str(self.device), role="replica")
+        self._group.start(rank0)
+        self._learner = rank0.learner
+
+    def _leave(self, ticket: JoinTicket, trained: int, state_of: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Leave the ticket's step mid-way; the log line times the release's parts: ``finish_s`` from the
         interrupt to here (what it was doing: ``interrupted_in``), ``handoff_s`` the hand-off itself."""
         step = ticket.step
         t0 = time.perf_counter()
         finish_s = round(t0 - self._interrupted_at, 3) if self._interrupted_at is not None else None
         if trained:
-            state = learner.handoff_state()
+            state = state_of()
             shared = self.core.hand_off_shared(
                 self.replica_id, step, state, folder=ticket.handoff_dir, token=ticket.handoff_token) is not None
             if not shared:

@@ -114,7 +114,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def JoinStep(self, request: trainer_pb2.JoinStepRequest, context: Any) -> trainer_pb2.JoinStepResponse:
         if not request.replica_id or not request.cell_id:
             raise InvalidArgument("JoinStep needs replica_id and cell_id")
-        self.core.check_replicas_join()
         ticket = self._membership().join(request.replica_id, request.cell_id)
         job = self.core.job
         return trainer_pb2.JoinStepResponse(
@@ -171,7 +170,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if self.replicas is None and not request.hosted:
             raise FailedPrecondition("this trainer does not start replica processes (cell daemons do)")
         self._membership()  # a job runs here
-        self.core.check_replicas_join()
         phase = self.core.status().get("phase")
         if phase in ("done", "failed", "stopped"):
             raise FailedPrecondition(f"the trainer's job is {phase}; no replica joins it")

@@ -55,14 +55,14 @@ def shard_model(model: torch.nn.Module, *, device: torch.device, bf16: bool = Fa
 
 
 def send_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None, *, device: torch.device) -> None:
-    """Give every rank its shards of rank 0's weights, one tensor at a time: rank 0 built the whole
-    model (``full``: its state dict before sharding), the others only its shapes (meta device), so
-    no rank but 0 ever holds more than one whole tensor. Buffers (rotary frequencies) too."""
+    """Give every rank its shards of rank 0's weights, one tensor at a time (``full``: rank 0's whole
+    state dict, None on the others), so no rank but 0 ever holds more than one whole tensor. Ranks
+    whose model has only its shapes (built on the meta device) get storage first. Also loads a new
+    version into a sharded model (a replica group's next weights). Buffers (rotary frequencies) too."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    rank = dist.get_rank()
-    if rank > 0:
+    if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=device)
     for name, value in model.state_dict().items():
         if not isinstance(value, DTensor):
@@ -70,13 +70,47 @@ def send_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None
         whole = full[name].to(device) if full is not None else torch.empty(value.shape, dtype=value.dtype,
                                                                             device=device)
         dist.broadcast(whole, src=0)
-        if rank > 0:
-            mine = distribute_tensor(whole, value.device_mesh, value.placements, src_data_rank=None)
-            with torch.no_grad():
-                value.to_local().copy_(mine.to_local())
-        del whole
+        mine = distribute_tensor(whole, value.device_mesh, value.placements, src_data_rank=None)
+        with torch.no_grad():
+            value.to_local().copy_(mine.to_local())
+        del whole, mine
     for _, buffer in model.named_buffers():
         dist.broadcast(buffer, src=0)
+
+
+def add_full_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor] | None, *, device: torch.device) -> None:
+    """Add a whole-model gradient sum (``grads`` on rank 0: one a leaving replica handed off, by
+    parameter name; None on the others) to every rank's gradient shards, one tensor at a time.
+    A parameter the sum leaves out adds nothing."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        grad = p.grad
+        assert isinstance(grad, DTensor), f"{name} has no sharded gradient (begin the step first)"
+        whole = torch.zeros(grad.shape, dtype=grad.dtype, device=device)
+        if grads is not None and name in grads:
+            whole.copy_(grads[name])
+        dist.broadcast(whole, src=0)
+        mine = distribute_tensor(whole, grad.device_mesh, grad.placements, src_data_rank=None)
+        grad.to_local().add_(mine.to_local())
+        del whole, mine
+
+
+def gather_grads(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The whole gradient sums by parameter name, one tensor at a time (every rank calls this);
+    ``keep``: this rank keeps CPU copies (rank 0, for a hand-off), the others drop each at once."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if keep:
+            out[name] = full.detach().to("cpu", copy=True).contiguous()
+        del full
+    return out
 
 
 def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
@@ -93,4 +127,4 @@ def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tenso
     return out
 
 
-__all__ = ["decoder_layers", "gather_state", "send_from_rank0", "shard_model"]
+__all__ = ["add_full_grads", "decoder_layers", "gather_grads", "gather_state", "send_from_rank0", "shard_model"]

@@ -81,7 +81,7 @@ class ReplicaProcesses:
 
     def _command(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "services.trainer.main", "--replica", "--core", self.core_address, *args,
-                "--log-json", "true", *self.extra_args]
+                "--log-json", "true", "--replica-log-dir", str(self.log_dir), *self.extra_args]
 
     def _popen(self, cmd: list[str], log_name: str, *, stdin: int | None = None,
                pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
