@@ -35,6 +35,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _launcher(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps --help fast
@@ -259,8 +260,25 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trainer_group(address: str) -> list[dict[str, Any]]:
+    """The ranks of the trainer's sharded group (empty: one process, no job, or no answer)."""
+    from services.common.errors import GyreError
+    from services.trainer.client import TrainerClient
+
+    try:
+        with TrainerClient(address) as trainer:
+            st = trainer.status()
+    except GyreError:
+        return []
+    return [{"rank": g.rank, "pid": g.pid, "peak_rss_mib": round(g.peak_rss_mib, 1), "alive": g.alive}
+            for g in st.group]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     status = _launcher(args).status()
+    trainer = status.get("services", {}).get("trainer")
+    if trainer and trainer.get("serving"):
+        status["trainer_group"] = _trainer_group(trainer["address"])
     if args.json:
         print(json.dumps(status, indent=1))
         return 0
@@ -272,6 +290,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = "SERVING" if s["serving"] else ("running, not serving" if s["alive"] else "DEAD")
         restarts = f"  restarted {s['restarts']}x (last: {s['last_exit']})" if s.get("restarts") else ""
         print(f"{name:<11} {s['address']:<22} pid {s['pid']:<8} {state}{restarts}")
+        if name == "trainer":
+            for g in status.get("trainer_group", []):
+                print(f"  rank {g['rank']:<5} pid {g['pid']:<8} peak RSS {g['peak_rss_mib']:.0f} MiB at the last step"
+                      f"{'' if g['alive'] else '  ENDED'}")
     sup = status.get("supervisor")
     print(f"supervisor  {'running' if sup and sup['alive'] else 'NOT RUNNING'}" + (f" (pid {sup['pid']})" if sup else ""))
     for name, f in status.get("failed", {}).items():

@@ -291,7 +291,7 @@ class JobController:
             job_id=job.job_id, model=spec.model, source="trajectory",
             trajectory_address=self.trajectory_address, engine_addresses=self._engines(),
             scheduler_address=self.scheduler_address, num_steps=spec.num_steps, objective=objective, optim=optim,
-            seed=spec.seed, checkpoint_dir=str(Path(self.checkpoint_root) / job.job_id))
+            seed=spec.seed, shards=spec.shards, checkpoint_dir=str(Path(self.checkpoint_root) / job.job_id))
 
     def _start_trainer(self, job: JobStatus, *, first: bool) -> bool:
         starts = int(self.state.controller_fields(job.job_id).get("ctl_trainer_starts", "0"))

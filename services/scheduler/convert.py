@@ -84,7 +84,7 @@ def spec_from_proto(p: scheduler_pb2.JobSpec, job_id: str) -> JobSpec:
             cell_ids=tuple(p.cell_ids),
             algorithm=algorithm_from_proto(p.algorithm) if p.HasField("algorithm") else Algorithm(),
             evaluation=Evaluation(tasks=p.evaluation.tasks, every=p.evaluation.every, greedy=not p.evaluation.sampled),
-            scorer=p.scorer, harness=p.harness or "builtin", seed=p.seed,
+            scorer=p.scorer, harness=p.harness or "builtin", seed=p.seed, shards=p.shards or 1,
             max_attempts=p.max_attempts or 3,
             async_rollout_cells=p.async_rollout_cells if p.HasField("async_rollout_cells") else None,
             min_rollout_cells=p.min_rollout_cells if p.HasField("min_rollout_cells") else 1,
@@ -122,7 +122,7 @@ def spec_to_proto(s: JobSpec) -> scheduler_pb2.JobSpec:
                    rollout_batches=s.rollout_batches, algorithm=pb.Algorithm(**asdict(s.algorithm)),
                    evaluation=pb.Evaluation(tasks=s.evaluation.tasks, every=s.evaluation.every,
                                             sampled=not s.evaluation.greedy),
-                   scorer=s.scorer, harness=s.harness, seed=s.seed)
+                   scorer=s.scorer, harness=s.harness, seed=s.seed, shards=s.shards)
     if s.tasks.payloads:
         p.tasks.payloads.payloads.extend(s.tasks.payloads)
     else:

@@ -28,6 +28,7 @@ MAX_STEP_SIZE = 100_000
 MAX_STEPS = 1_000_000
 MAX_PAYLOAD_BYTES = 64 * 1024  # task payloads are references/small specs; large data goes to the spool
 MAX_TIMEOUT_S = 30 * 24 * 3600.0
+MAX_SHARDS = 64  # ranks of one trainer group (a cell's devices)
 SCORER_KINDS = ("builtin", "entry_point", "external")
 MAX_JOB_ID = 59  # room for the "-eval" suffix evaluation executions are recorded under
 
@@ -179,6 +180,7 @@ class JobSpec:
     scorer: str = ""  # "builtin:NAME", "entry_point:module:function", "external:host:port"; "": the family's
     harness: str = "builtin"  # who runs the executions: the built-in harness, or an external one
     seed: int = 0  # seed of sampling and training (tasks are seeded by the task source's params)
+    shards: int = 1  # ranks of the trainer group sharding the policy (FSDP2); replica groups take this shape
     max_attempts: int = 3  # leases that may expire before the execution is marked failed
     # policy knobs (see ``policy.PolicyParams``)
     async_rollout_cells: int | None = None
@@ -231,6 +233,13 @@ class JobSpec:
                                  "or external:host:port (or empty for the task family's own scorer)")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed is {self.seed}; expected 0 .. 2^63-1")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ValueError(f"shards is {self.shards}; expected 1..{MAX_SHARDS} trainer ranks (1: one process holds "
+                             f"the whole model)")
+        if self.shards > 1 and self.algorithm.kl_reference == "initial" and self.algorithm.kl_coef > 0:
+            raise ValueError("a KL penalty to the initial policy needs its whole frozen copy in every trainer rank, "
+                             "which a sharded trainer (shards > 1) does not keep: use kl_reference = 'behaviour', "
+                             "or shards = 1")
         self.policy_params()  # the policy validates its own knobs
 
     def policy_params(self) -> PolicyParams:

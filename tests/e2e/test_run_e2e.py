@@ -12,6 +12,7 @@ is tested in tests/service/test_rollout_migration.py); each of its calls must st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -277,3 +278,28 @@ def _run_through_loop(tmp_path: Path, loop: str, model_spec: Any) -> tuple[Any, 
              if '"execution ended"' in x]
     assert len(ended) == 4 + 2 * 2 and all(e["loop"] == loop for e in ended), ended
     return result, ended
+
+
+@pytest.mark.timeout(900)
+def test_gyre_run_sharded_trains_on_a_group_and_cells_join_as_replica_groups(tmp_path: Path) -> None:
+    """`gyre run --shards 2` in colocate mode: the trainer is a group of 2 ranks (FSDP2), and the pool's
+    cells, moved to training after each step's rollouts, join as replica groups of 2 ranks each."""
+    from services.run import load_run
+
+    cfg, spec, _ = load_run(["--shards", "2", "--mode", "colocate", "--staleness_bound", "0", *SMALL_TASKS,
+                             "--num_steps", "2", "--groups_per_step", "4", "--group_size", "2",
+                             "--evaluation.tasks", "2", "--evaluation.every", "2", "--engines", "2",
+                             "--harness_concurrency", "8", "--quiet", "true"])
+    cfg = dataclasses.replace(cfg, time_budget_s=600, report_dir=str(tmp_path / "report"),
+                              data_dir=str(tmp_path / "data"))
+    assert spec.shards == 2
+    lines: list[str] = []
+    result = run_job(cfg, spec, echo=lines.append)
+    assert result.final_state == "completed", lines
+    assert len(result.steps) == 2 and result.weight_version == 2
+    assert any(s["from"] == "rollout" and s["to"] == "train" for s in result.switches), result.switches
+    logs = tmp_path / "data" / "colocate" / "logs"
+    ranks = sorted(p.name for p in logs.rglob("trainer-*-rank1.log"))
+    assert any("-replica" not in n for n in ranks) and any("-replica" in n for n in ranks), ranks
+    worlds = [int(row.get("world_size", 0)) for row in result.steps]
+    assert max(worlds) >= 2, result.steps  # a replica group took part in a step's all-reduce

@@ -277,6 +277,11 @@ def test_a_sharded_job_over_grpc_shows_its_ranks_and_gathers_its_weights(trainer
     status = c.status()
     assert status.last_metrics["shards"] == 2 and status.last_metrics["peak_rss_mib_rank1"] > 0
     assert [g.rank for g in status.group] == [0, 1] and all(g.pid > 0 and g.peak_rss_mib > 0 for g in status.group)
+    # what `gyre status` lists under the trainer
+    from services.cli import _trainer_group
+
+    shown = _trainer_group(f"127.0.0.1:{trainer.server.port}")
+    assert [(g["rank"], g["pid"], g["alive"]) for g in shown] == [(g.rank, g.pid, True) for g in status.group]
     version, weights = c.get_weights(-1)  # gathered from the shards
     assert version == 2 and weights.keys() == build_model("tiny").state_dict().keys()
     wait_until(lambda: c.status().phase == "done", 60, "the sharded job to end")

@@ -20,7 +20,7 @@ def spec(**kw: object) -> JobSpec:
                                    algorithm=Algorithm(learning_rate=3e-4, kl_coef=0.01, tis_cap=2.0),
                                    evaluation=Evaluation(tasks=8, every=2, greedy=False), scorer="builtin:xlong-v1",
                                    harness="external", seed=7, cell_ids=("c1", "c2"), execution_kv_tokens=4096,
-                                   rollout_batches=True)
+                                   rollout_batches=True, shards=2)
     base.update(kw)
     return JobSpec(**base)  # type: ignore[arg-type]
 
@@ -54,6 +54,9 @@ def test_spec_json_and_proto_round_trip() -> None:
     (dict(cell_ids=("a:b",)), "cell id"),
     (dict(async_rollout_cells=None), "async_rollout_cells"),
     (dict(mode=Mode.ELASTIC, consolidate_threshold=0.0), "consolidate_threshold"),
+    (dict(shards=0), "shards is 0; expected 1..64 trainer ranks"),
+    (dict(shards=65), "shards is 65"),
+    (dict(algorithm=Algorithm(kl_coef=0.1, kl_reference="initial")), "a sharded trainer"),
 ])
 def test_invalid_specs_say_which_field(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
