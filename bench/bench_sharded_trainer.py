@@ -10,8 +10,8 @@ ranks (``TrainerJob.shards``; N = 1 is one process holding the whole model, the 
 same run) trains the same synthetic steps (branching trees, micro-batches of whole executions),
 then saves a DCP checkpoint and resumes from it in a new group of the same size. Reported per N:
 each rank's peak RSS (rank 0 is the core: it also builds the whole model once to send the others
-their shards, and keeps the published weight versions), step time and tokens/s of the second
-step (the first warms up), the weight gather for publishing, the DCP save and the resume.
+their shards), step time and tokens/s of the second step (the first warms up), publishing (a
+group gathers the weights a tensor at a time into the version's file), the DCP save and the resume.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def write(sections: list[tuple[str, list[dict]]], args: argparse.Namespace) -> N
             f"{16 * base['params'] / 2**30:.2f} GiB",
             "",
             "| ranks | peak RSS per rank (MiB), rank 0 first | largest rank > 0 / whole | step s | tokens/s | "
-            "loss | gather for publish s | DCP save s | resume s |",
+            "loss | publish s | DCP save s | resume s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
@@ -132,19 +132,21 @@ def write(sections: list[tuple[str, list[dict]]], args: argparse.Namespace) -> N
     lines += [
         "",
         "Rank 0 is the core: it builds (or reads) the whole model once to send every other rank its shards",
-        "a tensor at a time, and gathers each new version for publishing (a sharded group keeps the newest",
-        "one whole on rank 0, one process the newest two, for `GetWeights`); ranks > 0 hold their shards and",
-        "one micro-batch's activations. The one-process row is the core of today's jobs: its whole training",
-        "state and its published versions. The losses agree across rows (the same update at any number of",
-        "ranks). On 2 cores more ranks add no compute: tokens/s shows what the collectives cost, not a speed-up.",
+        "a tensor at a time. Publishing: one process copies its weights (it keeps the newest two versions in",
+        "memory for `GetWeights`); a group gathers each tensor in turn and rank 0 writes it into the version's",
+        "safetensors file as it comes, so no rank holds a whole published copy (the file is served and pushed",
+        "to engines a tensor at a time). Ranks > 0 hold their shards and one micro-batch's activations. The",
+        "one-process row is the core of today's jobs: its whole training state and its published versions.",
+        "The losses agree across rows (the same update at any number of ranks). On 2 cores more ranks add no",
+        "compute: tokens/s shows what the collectives cost, not a speed-up.",
         "",
         "Besides its 1/N of the training state every rank holds, at any N: the root unit (embeddings and head,",
         "tied in Qwen3: 151,936 x 1,024 parameters, 0.6 GB in fp32) gathered through the whole forward and",
         "backward and its whole gradient until the reduce-scatter, plus one micro-batch's activations (28 layers",
         "and the logits over the vocabulary): a few GB for qwen3-0.6b, which is why 4 ranks of it (four times",
-        "that, and rank 0's built model and published copy) do not fit this 24 GB machine (killed by the kernel's",
-        "OOM killer in step 1). On devices the same terms are GPU memory; publishing a layer at a time and",
-        "building rank 0's model on the meta device too remove rank 0's whole copies.",
+        "that, and rank 0's built model) do not fit this 24 GB machine (killed by the kernel's OOM killer in",
+        "step 1). On devices the same terms are GPU memory; building rank 0's model on the meta device too",
+        "(each rank reading its shards of a checkpoint) would remove rank 0's whole copy at start.",
         "",
     ]
     RESULTS.write_text("\n".join(lines))

@@ -10,7 +10,7 @@ copy of the weights; no per-element Python work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class WeightAssembler:
         return out
 
 
-def chunk_state_dict(state_dict: "dict[str, torch.Tensor]", version: int, *,
+def chunk_state_dict(state_dict: "Mapping[str, torch.Tensor]", version: int, *,
                      chunk_bytes: int = 4 << 20, restart: bool = False) -> "Iterator[dict[str, Any]]":
     """The chunks (as ``WeightChunk`` fields) that stream ``state_dict`` as weight ``version``
     (``restart``: a new job's first weights, installed whatever version the receiver holds)."""

@@ -12,7 +12,7 @@ whose connection breaks raises ``EngineLost``, which the gateway answers with a 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -120,7 +120,7 @@ class EngineClient(GrpcClient):
         resp = self._call(self._stub.Drain, req, wait_s + self.timeout_s)
         return int(resp.active)
 
-    def update_weights(self, state_dict: dict[str, Any], version: int, *, chunk_bytes: int = 4 << 20,
+    def update_weights(self, state_dict: Mapping[str, Any], version: int, *, chunk_bytes: int = 4 << 20,
                        restart: bool = False) -> rollout_pb2.UpdateWeightsResponse:
         """Stream a torch state_dict as weight ``version`` (the trainer side of UpdateWeights);
         ``restart``: a new job's first weights (installed whatever version the engine holds)."""

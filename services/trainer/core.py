@@ -16,12 +16,16 @@ rendezvous on lives as long as the CoreTrainer.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +42,7 @@ from services.trainer.build import build_learner
 from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
 from services.trainer.journal import StepJournal, journal_for
 from services.trainer.sources import BatchSource, open_source, train_delivery
-from services.trainer.weights import PublishReport, WeightStore, push_to_engines, state_bytes
+from services.trainer.weights import PublishedFile, PublishReport, WeightStore, push_to_engines, state_bytes
 
 log = get_logger(__name__)
 
@@ -107,6 +111,7 @@ class CoreTrainer:
         self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._spool_dir: Path | None = None
 
     # -- job lifecycle ----------------------------------------------------------------------------
     def start(self, job: TrainerJob, *, background: bool = True) -> None:
@@ -156,12 +161,9 @@ class CoreTrainer:
                     journal.clear()
                 self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
                                         version=version, journal=journal, group=group)
-                # versions count per job: a previous job's must not answer for this one's. Replicas pull
-                # the version before the newest while it is published; a sharded group has none, and
-                # its rank 0 keeps one whole version
-                self.weights.reset(keep_at_most=1 if job.shards > 1 else 0)
-                state, copy_ = self._full_state(self._state)
-                snapshot = self.weights.publish_state(state, version, copy=copy_)
+                # versions count per job: a previous job's must not answer for this one's
+                self.weights.reset()
+                snapshot = self._publish(self._state, version)
                 self._stop.clear()
             except BaseException:  # the job does not start: neither do its ranks
                 if group is not None:
@@ -197,13 +199,22 @@ class CoreTrainer:
         except Exception as exc:  # deliberate: the job's outcome stands; the ranks were killed
             log.error("closing the trainer group failed", job_id=st.job.job_id, error=str(exc))
 
-    @staticmethod
-    def _full_state(st: _JobState) -> tuple[dict[str, torch.Tensor], bool]:
-        """The whole model's weights, and whether they still need a copy (a sharded group's are
-        gathered onto rank 0 as copies, a tensor at a time; a whole model's are its own)."""
-        if st.group is not None:
-            return st.group.gather(), False
-        return st.learner.model.state_dict(), True
+    def _publish(self, st: _JobState, version: int) -> Mapping[str, torch.Tensor]:
+        """Keep the weights as ``version`` (GetWeights serves it; returns what is pushed to engines):
+        a copy of the whole model's, or a sharded group's gathered a tensor at a time into a file."""
+        if st.group is None:
+            return self.weights.publish_state(st.learner.model.state_dict(), version)
+        folder = Path(st.job.checkpoint_dir) / "published" if st.job.checkpoint_dir else self._spool()
+        path = st.group.publish(folder / f"{st.job.job_id}-v{version}.safetensors")
+        return self.weights.publish_state(PublishedFile(path), version)
+
+    def _spool(self) -> Path:
+        """This trainer's own folder for published versions of jobs without a checkpoint directory."""
+        if self._spool_dir is None:
+            self._spool_dir = Path(tempfile.mkdtemp(prefix="gyre-published-"))
+            # kept while the process lives: a reader may hold the last version after the job stopped
+            atexit.register(shutil.rmtree, self._spool_dir, ignore_errors=True)
+        return self._spool_dir
 
     def _run(self) -> None:
         st = self._require()
@@ -307,9 +318,7 @@ class CoreTrainer:
             grad_norm = st.updater.apply(step)
         new_version = version + 1
         snap_t0 = time.perf_counter()
-        state, copy_ = self._full_state(st)
-        snapshot = self.weights.publish_state(state, new_version, copy=copy_)
-        del state
+        snapshot = self._publish(st, new_version)
         publish = self._push(snapshot, new_version, job, snapshot_s=time.perf_counter() - snap_t0)
         step_s = time.perf_counter() - start
         with self._lock:
@@ -426,7 +435,7 @@ class CoreTrainer:
         learner.stats.load_extrema(ext)
         return time.perf_counter() - start
 
-    def _push(self, snapshot: dict[str, torch.Tensor], version: int, job: TrainerJob,
+    def _push(self, snapshot: Mapping[str, torch.Tensor], version: int, job: TrainerJob,
               snapshot_s: float = 0.0, restart: bool = False) -> PublishReport:
         nbytes = state_bytes(snapshot)
         secs, ok, failed = push_to_engines(snapshot, version, job.engine_addresses,

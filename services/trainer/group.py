@@ -15,7 +15,8 @@ run the same sequence of forwards and backwards, in lockstep::
       round(forwards)         one micro-batch per rank, scattered (None: padding); every rank runs
                               ``forwards`` forward pieces per pass, its own and one-token padding
       finish(step)            statistics all-reduced (SUM; extrema MAX); clip + AdamW on each shard
-      gather                  the full state dict a tensor at a time; rank 0 keeps it (publishing)
+      publish(path)           the full state dict a tensor at a time; rank 0 writes each into a
+                              safetensors file (the published version) as it comes
       save(path) / load(path) a DCP checkpoint, every rank its shards (load: any world size saved it)
       reduce(seal)            rank r of every group taking part in the step (the core group and
                               replica groups: HSDP) all-reduces its gradient shards and statistics
@@ -170,10 +171,11 @@ class GroupRank:
             dist.all_gather(rss, torch.tensor([peak_rss_mib()], dtype=torch.float64))
             norm = self.updater.apply(op.step)
             return norm, [float(x) for x in torch.cat(rss)]
-        if op.kind == "gather":
-            from services.trainer.sharding import gather_state
+        if op.kind == "publish":
+            from services.trainer.sharding import write_full_state
 
-            return gather_state(self.learner.model, keep=self.rank == 0)
+            write_full_state(self.learner.model, Path(op.path) if self.rank == 0 else None)
+            return None
         if op.kind in ("save", "load"):
             from services.trainer import checkpoint as ckpt
 
@@ -245,7 +247,7 @@ class ShardGroup:
     """Rank 0's side of a group: starts ranks 1..N-1, builds the process group, drives operations.
 
     Lifecycle: ShardGroup(job, ...) -> start(rank0) (spawns, waits for every rank, shards) ->
-    begin / train (drain) / reduce / finish / gather per step -> close() (stops the ranks, or kills
+    begin / train (drain) / reduce / finish / publish per step -> close() (stops the ranks, or kills
     them after a failure, and destroys the process group). ``base``: the group's first device;
     ``role``: "core" (the optimizer's group) or "replica" (a freed cell's, no optimizer state)."""
 
@@ -451,8 +453,10 @@ class ShardGroup:
         self.peak_rss_mib = rss
         return float(norm)
 
-    def gather(self) -> dict[str, torch.Tensor]:
-        return self._run(Op("gather"))  # type: ignore[no-any-return]
+    def publish(self, path: Path) -> Path:
+        """Write the whole weights into the safetensors file ``path``, gathered a tensor at a time."""
+        self._run(Op("publish", path=str(path)))
+        return path
 
     def save(self, path: Path) -> None:
         """Every rank writes its shards of the model and optimizer into the DCP folder ``path``."""

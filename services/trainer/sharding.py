@@ -13,6 +13,7 @@ Needs the default process group (``services.trainer.group`` builds it).
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,18 +114,28 @@ def gather_grads(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tenso
     return out
 
 
-def gather_state(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
-    """The full state dict, one tensor at a time (every rank of the group calls this, in step);
-    ``keep``: this rank keeps CPU copies (rank 0, for publishing), the others drop each at once."""
+def write_full_state(model: torch.nn.Module, path: Path | None) -> None:
+    """The full state dict, gathered one tensor at a time (every rank of the group calls this, in
+    step): rank 0 (``path``) writes each tensor into a safetensors file there as it comes, the others
+    drop each at once; no rank holds more than one whole tensor."""
     from torch.distributed.tensor import DTensor
 
-    out: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if keep:
-            out[name] = full.detach().to("cpu", copy=True).contiguous()
-        del full
-    return out
+    from services.trainer.weights import SafetensorsWriter
+
+    state = model.state_dict()
+    writer = SafetensorsWriter(path, [(n, v.dtype, tuple(v.shape)) for n, v in state.items()]) if path else None
+    try:
+        for name, value in state.items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if writer is not None:
+                writer.write(name, full)
+            del full
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
 
 
-__all__ = ["add_full_grads", "decoder_layers", "gather_grads", "gather_state", "send_from_rank0", "shard_model"]
+__all__ = ["add_full_grads", "decoder_layers", "gather_grads", "send_from_rank0", "shard_model", "write_full_state"]
