@@ -99,13 +99,13 @@ class TrainerClient(GrpcClient):
         r = self._call(self._stub.ReplicaAlive, trainer_pb2.ReplicaAliveRequest(replica_id=replica_id), timeout_s)
         return bool(r.member)
 
-    def await_reduce(self, replica_id: str, step: int, *, timeout_s: float = 3600.0) -> Seal:
+    def await_reduce(self, replica_id: str, step: int, *, held_pg: str = "", timeout_s: float = 3600.0) -> Seal:
         from services.trainer.elastic import Seal
 
-        r = self._call(self._stub.AwaitReduce, trainer_pb2.AwaitReduceRequest(replica_id=replica_id, step=step),
-                       timeout_s)
+        r = self._call(self._stub.AwaitReduce,
+                       trainer_pb2.AwaitReduceRequest(replica_id=replica_id, step=step, held_pg=held_pg), timeout_s)
         return Seal(step=r.step, rank=r.rank, world_size=r.world_size, group_prefix=r.group_prefix,
-                    release=r.release)
+                    release=r.release, pg_prefix=r.pg_prefix)
 
     def leave_step(self, replica_id: str) -> int:
         return int(self._call(self._stub.LeaveStep, trainer_pb2.LeaveStepRequest(replica_id=replica_id)).step)

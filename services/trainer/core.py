@@ -36,7 +36,8 @@ from services.common.memory import release_free_memory, rss_bytes
 from services.trainer import checkpoint as ckpt
 from services.trainer import metrics as m
 from services.trainer.group import GroupRank, ShardGroup, check_group
-from services.trainer.elastic import ReduceCalledOff, Seal, StepMembership, all_reduce_step, arrive, open_group
+from services.trainer.elastic import (KeptGroup, ReduceCalledOff, Seal, StepMembership, all_reduce_step, arrive,
+                                     open_group)
 from services.trainer.job import TrainerJob
 from services.trainer.build import build_learner
 from services.trainer.learner import EXTREMA_KEY, STATS_KEY, Learner, Updater
@@ -112,6 +113,7 @@ class CoreTrainer:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._spool_dir: Path | None = None
+        self._kept = KeptGroup()  # the all-reduce's process group with whole replicas, kept while they stay
 
     # -- job lifecycle ----------------------------------------------------------------------------
     def start(self, job: TrainerJob, *, background: bool = True) -> None:
@@ -159,6 +161,7 @@ class CoreTrainer:
                 journal = journal_for(job.checkpoint_dir, job.job_id)
                 if journal is not None and not job.resume:
                     journal.clear()
+                self._kept = KeptGroup()
                 self._state = _JobState(job=job, learner=learner, updater=updater, source=source, step=step,
                                         version=version, journal=journal, group=group)
                 # versions count per job: a previous job's must not answer for this one's
@@ -285,17 +288,18 @@ class CoreTrainer:
         train_s = time.perf_counter() - start
         own_tokens = float(learner.stats.as_dict().get("tokens", 0.0))  # the core's share, before the reduce
 
-        seal = self.membership.core_done(step)
+        seal = self.membership.core_done(step, held_pg=st.group.held_pg if st.group is not None else self._kept.held)
         self._set_phase("reducing")
         stats = learner.stats
         participants = tuple(str(x["replica_id"]) for x in self.membership.members()
                              if x["step"] == step and x["rank"] > 0 and not x["evicted"])
         try:
-            reduce_s = self._reduce(seal, st)
+            reduce_s, built = self._reduce(seal, st)
         except ReduceCalledOff as exc:  # a participant died after the seal: train its share here
             slog.warning("all-reduce called off", step=step, error=str(exc))
             self.membership.call_off(step)
-            participants, reduce_s = (), 0.0
+            self._kept.drop()
+            participants, reduce_s, built = (), 0.0, False
             seal = dataclasses.replace(seal, world_size=1)
         evicted = sum(1 for x in self.membership.members() if x["step"] == step and x["evicted"])
         m.EVICTED.inc(evicted)
@@ -332,7 +336,8 @@ class CoreTrainer:
                        weight_version=float(new_version), publish_s=publish.engines_s,
                        snapshot_s=publish.snapshot_s,
                        evicted=float(evicted), retrained=float(retrained), handed_back=float(handed_back),
-                       publish_mb=publish.num_bytes / 1e6, shards=float(job.shards))
+                       publish_mb=publish.num_bytes / 1e6, shards=float(job.shards),
+                       process_group_built=float(built))
         if st.group is not None:
             metrics.update({f"peak_rss_mib_rank{r}": v for r, v in enumerate(st.group.peak_rss_mib)})
         m.record_step(metrics)
@@ -411,11 +416,12 @@ class CoreTrainer:
                      handed_back=handed_back)
         return retrained, handed_back
 
-    def _reduce(self, seal: Seal, st: _JobState) -> float:
+    def _reduce(self, seal: Seal, st: _JobState) -> tuple[float, bool]:
         """The step's all-reduce with the replicas (replica groups of a sharded job: each rank with
-        the same rank of every group); the statistics too."""
+        the same rank of every group); the statistics too. (seconds, whether its process group was
+        built for this step rather than kept from the last one)."""
         if seal.world_size <= 1:
-            return 0.0
+            return 0.0, False
         start = time.perf_counter()
         assert self.membership is not None
         membership = self.membership
@@ -423,17 +429,18 @@ class CoreTrainer:
         # instead of leaving the group's setup waiting for it until collective_timeout_s
         arrive(self.store, seal, timeout_s=self.collective_timeout_s, gone=lambda: membership.sealed_gone(seal.step))
         if st.group is not None:
-            st.group.reduce(seal)
-            return time.perf_counter() - start
+            built = st.group.reduce(seal)
+            return time.perf_counter() - start, built
         learner = st.learner
-        group = open_group(seal, store_host=self.store_host, store_port=self.store_port,
-                           backend=backend_for(learner.policy.device), timeout_s=self.collective_timeout_s,
-                           store=self.store)
+        before = self._kept.built
+        group = self._kept.get(seal, lambda s: open_group(
+            s, store_host=self.store_host, store_port=self.store_port, backend=backend_for(learner.policy.device),
+            timeout_s=self.collective_timeout_s, store=self.store))
         stats, ext = all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(),
                                      learner.stats.extrema())
         learner.stats.load_vector(stats)
         learner.stats.load_extrema(ext)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, self._kept.built > before
 
     def _push(self, snapshot: Mapping[str, torch.Tensor], version: int, job: TrainerJob,
               snapshot_s: float = 0.0, restart: bool = False) -> PublishReport:

@@ -3,9 +3,11 @@
 The weights are fixed during a step (one update at its end), so a replica that joins mid-step
 only needs the current weights; it then pulls micro-batches from the same work queue as
 everyone else and accumulates gradient *sums*. When the step's batch is consumed, the step's
-participants rendezvous in a fresh process group (gloo on CPU, NCCL on GPU) built on the
-core's TCPStore under the prefix ``gyre/<job>/step/<s>`` and all-reduce (SUM) their gradients;
-the core applies the optimizer and publishes version s+1.
+participants arrive (under the prefix ``gyre/<job>/step/<s>`` of the core's TCPStore) and all-reduce
+(SUM) their gradients in a process group (gloo on CPU, NCCL on GPU); the core applies the optimizer
+and publishes version s+1. The process group is kept while the participants stay the same: the
+seal names the previous one (``Seal.pg_prefix``) when every participant says it holds it
+(``KeptGroup``), else a new one under ``<step prefix>/pg`` (building an NCCL group costs seconds).
 
     core (rank 0)                         replica R (joined mid-step)
     open_step(s, v) ─────────────┐        JoinStep ─> ticket(step s, version v, store addr)
@@ -70,6 +72,13 @@ class Seal:
     world_size: int
     group_prefix: str
     release: bool = False  # the orchestrator asked for this replica's cell back after the step
+    pg_prefix: str = ""  # the process group's store prefix ("": the step's own, group_prefix)
+
+    @property
+    def pg(self) -> "Seal":
+        """This seal with the process group's prefix as its prefix (what ``open_group`` builds)."""
+        return Seal(step=self.step, rank=self.rank, world_size=self.world_size,
+                    group_prefix=self.pg_prefix or self.group_prefix, release=self.release)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class _Member:
     evicted: bool = False
     release: bool = False
     rank: int = -1
+    held_pg: str = ""  # the process group it kept from its last all-reduce (its report at done)
 
 
 @dataclass
@@ -93,6 +103,7 @@ class _StepState:
     sealed: bool = False
     core_done: bool = False
     world: int = 0
+    pg_prefix: str = ""
     members: dict[str, _Member] = field(default_factory=dict)
 
 
@@ -116,6 +127,9 @@ class StepMembership:
         self._next: dict[str, _Member] = {}  # joined while the current step was sealed
         self._released: set[str] = set()
         self._closed = False
+        # the last sealed all-reduce's process group and participants (a group kept while they stay)
+        self._pg_prefix = ""
+        self._pg_members: tuple[str, ...] = ()
 
     def prefix(self, step: int) -> str:
         return f"gyre/{self.job_id}/step/{step}"
@@ -132,8 +146,9 @@ class StepMembership:
             self._current = state
             self._cv.notify_all()
 
-    def core_done(self, step: int) -> Seal:
-        """The core consumed its share: wait for every member, seal the world, return rank 0's seal."""
+    def core_done(self, step: int, held_pg: str = "") -> Seal:
+        """The core consumed its share: wait for every member, seal the world, return rank 0's seal
+        (``held_pg``: the process group the core kept from its last all-reduce)."""
         with self._cv:
             state = self._state(step)
             state.core_done = True
@@ -170,8 +185,15 @@ class StepMembership:
                 m.release = m.replica_id in self._released
             state.world = len(ranked) + 1
             state.sealed = True
+            members = tuple(m.replica_id for m in ranked)
+            kept = bool(members) and members == self._pg_members and bool(self._pg_prefix) and \
+                held_pg == self._pg_prefix and all(m.held_pg == self._pg_prefix for m in ranked)
+            self._pg_prefix = (self._pg_prefix if kept else f"{self.prefix(step)}/pg") if members else ""
+            self._pg_members = members
+            state.pg_prefix = self._pg_prefix
             self._cv.notify_all()
-            return Seal(step=step, rank=0, world_size=state.world, group_prefix=self.prefix(step))
+            return Seal(step=step, rank=0, world_size=state.world, group_prefix=self.prefix(step),
+                        pg_prefix=state.pg_prefix)
 
     # -- replica side (called from the gRPC servicer) ---------------------------------------------
     def join(self, replica_id: str, cell_id: str) -> JoinTicket:
@@ -206,8 +228,9 @@ class StepMembership:
             m.heard_at = self.clock()
             return True
 
-    def done(self, replica_id: str, step: int, timeout_s: float | None = None) -> Seal:
-        """A replica consumed its share of ``step``: block until the world is sealed, return its rank."""
+    def done(self, replica_id: str, step: int, timeout_s: float | None = None, held_pg: str = "") -> Seal:
+        """A replica consumed its share of ``step``: block until the world is sealed, return its rank
+        (``held_pg``: the process group it kept from its last all-reduce)."""
         with self._cv:
             nxt = self._next.get(replica_id)
             if nxt is not None and nxt.step == step:
@@ -223,6 +246,7 @@ class StepMembership:
                 raise FailedPrecondition(f"replica {replica_id!r} was {'evicted from' if m.evicted else 'left'} "
                                          f"step {step}")
             m.done = True
+            m.held_pg = held_pg
             self._cv.notify_all()
             ok = self._cv.wait_for(lambda: state.sealed or self._closed, timeout=timeout_s)
             if not ok or not state.sealed:
@@ -230,7 +254,7 @@ class StepMembership:
             if m.evicted:
                 raise FailedPrecondition(f"replica {replica_id!r} was evicted from step {step}")
             return Seal(step=step, rank=m.rank, world_size=state.world, group_prefix=self.prefix(step),
-                        release=m.release)
+                        release=m.release, pg_prefix=state.pg_prefix)
 
     def leave(self, replica_id: str) -> int:
         """Drop ``replica_id`` from the open step (and the next); returns the step it left."""
@@ -294,6 +318,7 @@ class StepMembership:
                 if m.rank > 0 and not (m.left or m.evicted):
                     m.evicted = True
                     out.append(m.replica_id)
+            self._pg_prefix, self._pg_members = "", ()  # whoever built or kept it: a new one next time
             self._cv.notify_all()
             log.warning("step's all-reduce called off; its replicas evicted", step=step, replicas=out)
             return sorted(out)
@@ -386,6 +411,35 @@ def arrive(store: Any, seal: Seal, *, timeout_s: float, gone: Callable[[], str] 
             store.compare_set(verdict, "", f"off:{why}")
             continue
         time.sleep(poll_s)
+
+
+class KeptGroup:
+    """A participant's process group of the last all-reduce, reused while the seal names it.
+
+    ``held`` goes to the core (``core_done`` / ``AwaitReduce``); ``get(seal, build)`` returns the
+    kept group when ``seal.pg_prefix`` is its prefix, else builds one for the seal (``build(seal.pg)``)
+    and keeps that. ``drop()`` after a failed or called-off reduce."""
+
+    def __init__(self) -> None:
+        self._prefix = ""
+        self._group: object | None = None
+        self.built = 0  # process groups built (each costs a rendezvous; NCCL: seconds)
+
+    @property
+    def held(self) -> str:
+        return self._prefix
+
+    def get(self, seal: Seal, build: Callable[[Seal], object]) -> object:
+        prefix = seal.pg_prefix or seal.group_prefix
+        if self._group is None or prefix != self._prefix:
+            self.drop()
+            self._group = build(seal.pg)
+            self._prefix = prefix if seal.pg_prefix else ""  # a step's own group is never named again
+            self.built += 1
+        return self._group
+
+    def drop(self) -> None:
+        self._prefix, self._group = "", None
 
 
 def open_group(seal: Seal, *, store_host: str, store_port: int, backend: str,

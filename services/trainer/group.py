@@ -128,6 +128,7 @@ class GroupRank:
         self.store: Any = None  # set when the group forms: the core's store, its address, the timeout
         self.store_addr = ("", 0)
         self.timeout_s = 600.0
+        self._pg: tuple[str, Any] | None = None  # the kept cross-group process group, by its prefix
         self.device = rank_device(job, rank, base)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -197,20 +198,31 @@ class GroupRank:
         raise ValueError(f"unknown group operation {op.kind!r}")
 
 
-    def _reduce(self, op: Op) -> None:
+    def _reduce(self, op: Op) -> bool:
         """This rank's part of the step's all-reduce across groups: with rank ``self.rank`` of every
-        other group, in the process group of shard ``self.rank`` under the step's prefix."""
+        other group, in the process group of shard ``self.rank`` under ``op.prefix`` (kept while the
+        step's seal names the same one); True if it was built for this step."""
         from services.trainer.elastic import Seal, all_reduce_step, open_group
 
         assert self.store is not None, "a group rank needs the core's store to reduce across groups"
-        seal = Seal(step=op.step, rank=op.rank, world_size=op.world, group_prefix=f"{op.prefix}/shard{self.rank}")
-        pg = open_group(seal, store_host=self.store_addr[0], store_port=self.store_addr[1],
-                        backend="nccl" if self.device.type == "cuda" else "gloo", store=self.store,
-                        timeout_s=self.timeout_s)
+        built = self._pg is None or self._pg[0] != op.prefix
+        if built:
+            self._pg = None  # the previous one's participants changed
+            seal = Seal(step=op.step, rank=op.rank, world_size=op.world, group_prefix=f"{op.prefix}/shard{self.rank}")
+            self._pg = (op.prefix, open_group(seal, store_host=self.store_addr[0], store_port=self.store_addr[1],
+                                              backend="nccl" if self.device.type == "cuda" else "gloo",
+                                              store=self.store, timeout_s=self.timeout_s))
+        assert self._pg is not None
         stats = self.learner.stats
-        vec, ext = all_reduce_step(pg, list(self.learner.grad_buckets()), stats.vector(), stats.extrema())
+        vec, ext = all_reduce_step(self._pg[1], list(self.learner.grad_buckets()), stats.vector(), stats.extrema())
         stats.load_vector(vec)
         stats.load_extrema(ext)
+        return built
+
+    @property
+    def held_pg(self) -> str:
+        """The prefix of the cross-group process group this rank kept ("": none)."""
+        return self._pg[0] if self._pg is not None else ""
 
     def _handoff(self) -> dict[str, torch.Tensor]:
         """The group's gradient sums and statistics as one whole-model hand-off (kept on rank 0)."""
@@ -430,10 +442,17 @@ class ShardGroup:
                      tokens=tokens, seconds=round(elapsed, 3), tok_s=round(tokens / max(elapsed, 1e-9), 1))
         return trained, seconds
 
-    def reduce(self, seal: Any) -> None:
+    def reduce(self, seal: Any) -> bool:
         """The step's all-reduce across groups (HSDP): every rank with the same rank of the other
-        groups, this group being ``seal.rank`` of ``seal.world_size``; statistics included."""
-        self._run(Op("reduce", step=seal.step, prefix=seal.group_prefix, rank=seal.rank, world=seal.world_size))
+        groups, this group being ``seal.rank`` of ``seal.world_size``; statistics included. The
+        process groups are kept while seals name them; True if they were built for this step."""
+        prefix = seal.pg_prefix or seal.group_prefix
+        return bool(self._run(Op("reduce", step=seal.step, prefix=prefix, rank=seal.rank, world=seal.world_size)))
+
+    @property
+    def held_pg(self) -> str:
+        """The cross-group process groups this group kept from its last all-reduce ("": none)."""
+        return self.rank0.held_pg if self.rank0 is not None else ""
 
     def handoff_state(self) -> dict[str, torch.Tensor]:
         """The group's gradient sums (whole, by parameter name) and statistics, for a hand-off."""

@@ -48,7 +48,7 @@ from services.common.memory import release_free_memory, rss_bytes
 from services.trainer.client import Interrupted, TrainerClient
 from services.trainer.core import backend_for
 from services.trainer.build import build_learner
-from services.trainer.elastic import JoinTicket, ReduceCalledOff, all_reduce_step, arrive, open_group
+from services.trainer.elastic import JoinTicket, KeptGroup, ReduceCalledOff, all_reduce_step, arrive, open_group
 from services.trainer.group import GroupRank, ShardGroup, check_group
 from services.trainer.job import TrainerJob
 from services.trainer.learner import Learner
@@ -89,6 +89,7 @@ class Replica:
         self._source: BatchSource | None = None
         self._group: ShardGroup | None = None  # a sharded job's replica group (this process is its rank 0)
         self.rank_log_dir = rank_log_dir
+        self._kept = KeptGroup()  # the all-reduce's process group, kept while the participants stay
         self._alive_stop = threading.Event()
         self._alive: threading.Thread | None = None
         self._store: tuple[tuple[str, int], Any] | None = None
@@ -239,7 +240,8 @@ class Replica:
                     # gradient in the all-reduce, so it takes part first and then exits
                     log.info("released at the step's seal; all-reducing before leaving")
             self._phase = "all-reducing"
-            seal = self.core.await_reduce(self.replica_id, ticket.step)
+            seal = self.core.await_reduce(self.replica_id, ticket.step,
+                                          held_pg=group.held_pg if group is not None else self._kept.held)
             if seal.world_size > 1:
                 store = self._store_for(ticket.store_host, ticket.store_port)
                 ended = group.ended_ranks(wait_s=0) if group is not None else ""
@@ -251,14 +253,16 @@ class Replica:
                     # another participant died after the seal: the core trains this replica's
                     # micro-batches again (its gradient sum is dropped); it stays for the next step
                     log.warning("all-reduce called off; the core trains this step's share again", error=str(exc))
+                    self._kept.drop()
                     if leaving or seal.release or ticket.step + 1 >= job.num_steps:
                         break
                     continue
                 if group is not None:
                     group.reduce(seal)
                 else:
-                    pg = open_group(seal, store_host=ticket.store_host, store_port=ticket.store_port,
-                                    backend=backend or backend_for(self.device), store=store)
+                    pg = self._kept.get(seal, lambda s: open_group(
+                        s, store_host=ticket.store_host, store_port=ticket.store_port,
+                        backend=backend or backend_for(self.device), store=store))
                     all_reduce_step(pg, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
             self.stats.steps += 1
             held_version = ticket.weight_version  # the core's update makes it stale; next join pulls v+1

@@ -133,9 +133,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if not request.replica_id or request.step < 0:
             raise InvalidArgument("AwaitReduce needs replica_id and step >= 0")
         remaining = context.time_remaining() if context is not None else None
-        seal = self._membership().done(request.replica_id, request.step, timeout_s=remaining)
+        seal = self._membership().done(request.replica_id, request.step, timeout_s=remaining, held_pg=request.held_pg)
         return trainer_pb2.AwaitReduceResponse(step=seal.step, rank=seal.rank, world_size=seal.world_size,
-                                               group_prefix=seal.group_prefix, release=seal.release)
+                                               group_prefix=seal.group_prefix, release=seal.release,
+                                               pg_prefix=seal.pg_prefix)
 
     def LeaveStep(self, request: trainer_pb2.LeaveStepRequest, context: Any) -> trainer_pb2.LeaveStepResponse:
         if not request.replica_id:

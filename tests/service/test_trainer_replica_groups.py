@@ -8,9 +8,11 @@ AddReplica) each form a group of 2 ranks and join:
             (its device is CUDA on a host without one)           one sentence in its log
     step 1: replica group A joins before any micro-batch      world 2 (each rank all-reduces
                                                                  its shards with A's same rank)
-    step 2: A's rank 1 is SIGKILLed mid-step                   world 1; A evicted, its
+    step 2: A stays                                            world 2, in the process groups
+                                                                 kept from step 1
+    step 3: A's rank 1 is SIGKILLed mid-step                   world 1; A evicted, its
                                                                  micro-batches trained again
-    step 3: replica group B joins, trains, is given back       world 1 + B's hand-off (its
+    step 4: replica group B joins, trains, is given back       world 1 + B's hand-off (its
             (SIGTERM) mid-step                                   gradient sums, whole, added to
                                                                  the core group's shards)
 
@@ -43,7 +45,7 @@ from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "synthetic:seed=3,executions=12,tokens=45,depth=1,branching=2,context=6,generated=6,root=10"
-STEPS = 4
+STEPS = 5
 PREFIX = "gyre/hsdp/synthetic"  # the store-backed queue of job "hsdp"
 
 
@@ -85,7 +87,7 @@ def test_replica_groups_join_leave_and_die_mid_step_and_the_update_is_unchanged(
     servicer.replicas = replicas
     client = TrainerClient(address)
     store = dist.TCPStore("127.0.0.1", core.store_port, is_master=False)  # our own connection
-    for step, hold in enumerate(("0", "0", "4", "0,4")):
+    for step, hold in enumerate(("0", "0", "0", "4", "0,4")):
         store.set(f"{PREFIX}/hold/{step}", hold)
     misfit: subprocess.Popen[bytes] | None = None
     try:
@@ -117,33 +119,41 @@ def test_replica_groups_join_leave_and_die_mid_step_and_the_update_is_unchanged(
         assert r1.finished and r1.metrics["world_size"] == 2
         assert _count(store, f"{PREFIX}/acked/1/{a.replica_id}") >= 1  # A trained a share
 
-        # Step 2: both groups take batches and block at index 4; A's rank 1 dies.
+        assert r1.metrics["process_group_built"] == 1
+
+        # Step 2: A stays; the step's all-reduce runs in the process groups kept from step 1.
         wait_until(lambda: _count(store, f"{PREFIX}/waiting/2") >= 2, 180, "both groups to block in step 2")
+        store.set(f"{PREFIX}/release/2", "1")
+        r2 = client.wait_step(2, timeout_s=180)
+        assert r2.finished and r2.metrics["world_size"] == 2 and r2.metrics["process_group_built"] == 0
+
+        # Step 3: both groups take batches and block at index 4; A's rank 1 dies.
+        wait_until(lambda: _count(store, f"{PREFIX}/waiting/3") >= 2, 180, "both groups to block in step 3")
         a_ranks = _children(replicas.get("cell-a").proc.pid)
         assert len(a_ranks) == 1, a_ranks  # A's rank 1 (its rank 0 is the replica process)
         os.kill(a_ranks[0], signal.SIGKILL)
-        store.set(f"{PREFIX}/release/2", "1")
-        assert replicas.wait_exit("cell-a", 120)
-        r2 = client.wait_step(2, timeout_s=180)
-        assert r2.finished and r2.metrics["world_size"] == 1
-        assert r2.metrics["evicted"] == 1 and r2.metrics["retrained"] >= 1
-
-        # Step 3: group B joins, trains, and is given back mid-step: its gradient sums are handed off.
-        wait_until(lambda: _count(store, f"{PREFIX}/waiting/3") >= 1, 120, "the core group to block in step 3")
-        b = client.add_replica("cell-b", switch_id="sw2", wait_s=180)
-        assert b.step == 3
-        wait_until(lambda: _count(store, f"{PREFIX}/waiting/3") >= 2, 180, "replica group B to block in step 3")
         store.set(f"{PREFIX}/release/3", "1")
-        wait_until(lambda: _count(store, f"{PREFIX}/waiting/3") >= 4, 180, "both groups to block again in step 3")
-        replicas.get("cell-b").proc.send_signal(signal.SIGTERM)
-        store.set(f"{PREFIX}/release/3/1", "1")
-        assert replicas.wait_exit("cell-b", 120)
+        assert replicas.wait_exit("cell-a", 120)
         r3 = client.wait_step(3, timeout_s=180)
-        assert r3.finished and r3.metrics["world_size"] == 1 and r3.metrics["handed_off"] == 1
-        assert r3.metrics["evicted"] == 0 and _count(store, f"{PREFIX}/acked/3/{b.replica_id}") >= 1
+        assert r3.finished and r3.metrics["world_size"] == 1
+        assert r3.metrics["evicted"] == 1 and r3.metrics["retrained"] >= 1
+
+        # Step 4: group B joins, trains, and is given back mid-step: its gradient sums are handed off.
+        wait_until(lambda: _count(store, f"{PREFIX}/waiting/4") >= 1, 120, "the core group to block in step 4")
+        b = client.add_replica("cell-b", switch_id="sw2", wait_s=180)
+        assert b.step == 4
+        wait_until(lambda: _count(store, f"{PREFIX}/waiting/4") >= 2, 180, "replica group B to block in step 4")
+        store.set(f"{PREFIX}/release/4", "1")
+        wait_until(lambda: _count(store, f"{PREFIX}/waiting/4") >= 4, 180, "both groups to block again in step 4")
+        replicas.get("cell-b").proc.send_signal(signal.SIGTERM)
+        store.set(f"{PREFIX}/release/4/1", "1")
+        assert replicas.wait_exit("cell-b", 120)
+        r4 = client.wait_step(4, timeout_s=180)
+        assert r4.finished and r4.metrics["world_size"] == 1 and r4.metrics["handed_off"] == 1
+        assert r4.metrics["evicted"] == 0 and _count(store, f"{PREFIX}/acked/4/{b.replica_id}") >= 1
         assert replicas.get("cell-b").proc.returncode == 0
 
-        for step, report in enumerate((r0, r1, r2, r3)):
+        for step, report in enumerate((r0, r1, r2, r3, r4)):
             for key in ("loss", "pg_loss", "entropy", "tokens", "micro_batches", "weight_sum"):
                 assert report.metrics[key] == pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-6), (step, key)
             assert report.metrics["grad_norm"] == pytest.approx(ref_metrics[step]["grad_norm"], rel=1e-4), step

@@ -45,8 +45,9 @@ def test_seal_waits_for_members_and_ranks_by_join_order() -> None:
     for t in threads:
         t.join(5)
     assert sealed["core"].world_size == 3 and sealed["core"].rank == 0
-    assert out["b"] == Seal(step=0, rank=1, world_size=3, group_prefix="gyre/j/step/0")
-    assert out["a"] == Seal(step=0, rank=2, world_size=3, group_prefix="gyre/j/step/0")
+    pg = "gyre/j/step/0/pg"  # a new process group: no participant held one
+    assert out["b"] == Seal(step=0, rank=1, world_size=3, group_prefix="gyre/j/step/0", pg_prefix=pg)
+    assert out["a"] == Seal(step=0, rank=2, world_size=3, group_prefix="gyre/j/step/0", pg_prefix=pg)
 
 
 def test_join_while_sealed_lands_in_next_step() -> None:
@@ -76,7 +77,7 @@ def test_a_late_joiner_done_before_the_core_opens_the_next_step_waits_for_it() -
     m.open_step(1, 1)
     assert m.core_done(1).world_size == 2
     t.join(5)
-    assert out["late"] == Seal(step=1, rank=1, world_size=2, group_prefix="gyre/j/step/1")
+    assert out["late"] == Seal(step=1, rank=1, world_size=2, group_prefix="gyre/j/step/1", pg_prefix="gyre/j/step/1/pg")
 
 
 def test_leave_before_seal_shrinks_world() -> None:
@@ -240,3 +241,41 @@ def test_call_off_evicts_the_sealed_participants() -> None:
     assert "replica b (its process exited)" == m.sealed_gone(0)
     assert m.call_off(0) == ["a", "b"]
     assert m.evicted(0) == ["a", "b"] and m.sealed_gone(0) == ""
+
+
+def test_the_process_group_is_kept_while_the_participants_stay_and_all_hold_it() -> None:
+    m = _membership()
+
+    def step(s: int, held: dict[str, str], core_held: str) -> str:
+        if s:
+            m.open_step(s, s)
+        for rid in held:
+            assert m.join(rid, f"cell-{rid}").step == s
+        out: dict[str, object] = {}
+        threads = [threading.Thread(target=lambda r=rid: out.setdefault(r, m.done(r, s, timeout_s=10,
+                                                                                 held_pg=held[r])))
+                   for rid in held]
+        for t in threads:
+            t.start()
+        core = m.core_done(s, held_pg=core_held)
+        for t in threads:
+            t.join(5)
+        assert all(out[r].pg_prefix == core.pg_prefix for r in held)  # type: ignore[attr-defined]
+        return core.pg_prefix
+
+    p0 = step(0, {"a": ""}, "")
+    assert p0 == "gyre/j/step/0/pg"
+    assert step(1, {"a": p0}, p0) == p0                       # the same participants, all holding it: kept
+    assert step(2, {"a": ""}, p0) == "gyre/j/step/2/pg"       # a holds none (a new process): built again
+    p2 = "gyre/j/step/2/pg"
+    assert step(3, {"a": p2, "b": ""}, p2) == "gyre/j/step/3/pg"  # b joined: another group
+    p3 = "gyre/j/step/3/pg"
+    m.open_step(4, 4)
+    assert m.join("a", "cell-a").step == 4
+    done = threading.Thread(target=lambda: m.done("a", 4, timeout_s=10, held_pg=p3))
+    done.start()
+    assert m.core_done(4, held_pg=p3).pg_prefix == "gyre/j/step/4/pg"  # b left: another group
+    done.join(5)
+    m.call_off(4)                                             # that reduce never happened
+    assert step(5, {"a": "gyre/j/step/4/pg"}, "gyre/j/step/4/pg") == "gyre/j/step/5/pg"
+    assert step(6, {}, "gyre/j/step/5/pg") == ""              # the core alone: no group
