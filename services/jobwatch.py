@@ -236,6 +236,8 @@ def step_rows(view: JobView, *, trainer: Any = None, trajectory: Any = None) -> 
             try:
                 report = trainer.wait_step(step, timeout_s=1.0)
                 row.update({k: float(v) for k, v in report.metrics.items()})
+                if "tokens" in report.metrics:  # every micro-batch token the trainer's forwards processed
+                    row["processed_tokens"] = float(report.metrics["tokens"])
             except Exception:  # deliberate: the trainer may run another job by now; metrics are optional
                 pass
         rows.append(row)

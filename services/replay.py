@@ -10,8 +10,9 @@ directory of its own and stops afterwards, as ``gyre run`` does::
     for each step:
         trajectory.OpenStep -> IngestRecords (every call, ids suffixed per step) -> CompleteExecution
         (each execution's status and reward) -> CloseStep;  trainer.WaitStep
-        print one JSON line: trainable / trained tokens, loss, peak RSS of each service (and of each
-        rank of a sharded trainer group: ``trainer/0``, ``trainer/1``, ...)
+        print one JSON line: trainable / trained tokens, the tokens the trainer processed against the
+        trees' and the paths' (``processed_tokens``, ``tree_tokens``, ``naive_tokens``), loss, peak RSS
+        of each service (and of each rank of a sharded trainer group: ``trainer/0``, ``trainer/1``, ...)
     down
 
 Every step replays the whole file (new execution ids per step: a packed execution takes no more
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 USAGE = ("gyre replay --records FILE.jsonl [--max-paths N] [--steps N] [--model SPEC] [--token-budget N] "
-         "[--shards N]\n"
+         "[--tree-split pieces|context] [--shards N]\n"
          "       gyre replay --trace FILE.jsonl [--time-scale X] ...  (a trace on the live stack: gyre replay "
          "--trace x --help)")
 
@@ -57,6 +58,9 @@ def replay_main(argv: Sequence[str]) -> int:
     p.add_argument("--max-paths", type=int, default=0, help="root-to-leaf paths kept per execution (0: all)")
     p.add_argument("--model", default="builtin-tiny", help="the policy to train (a name or checkpoint directory)")
     p.add_argument("--token-budget", type=int, default=16384, help="micro-batch size, tokens")
+    p.add_argument("--tree-split", choices=("pieces", "context"), default="pieces",
+                   help="a tree larger than the budget: the whole tree in DFS pieces with kept keys/values (each "
+                        "token computed once), or DFS chunks with their root paths copied as context")
     p.add_argument("--shards", type=int, default=1,
                    help="ranks of the trainer group that shard the model, gradients and optimizer state (FSDP2)")
     p.add_argument("--chunk-tokens", type=int, default=8192,
@@ -99,7 +103,8 @@ def _replay(args: argparse.Namespace, calls: list[Any], executions: dict[str, An
 
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="gyre-replay-"))
     specs = {s.name: s for s in default_specs(0)}
-    trajectory = dataclasses.replace(specs["trajectory"], extra=("--max-paths", str(args.max_paths)))
+    trajectory = dataclasses.replace(specs["trajectory"], extra=("--max-paths", str(args.max_paths),
+                                                                 "--tree-split", args.tree_split))
     launcher = Launcher(data_dir, Path(DEFAULT_RUN_CONFIG))
     job_id = f"replay-{int(time.time())}"
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731  (stdout carries only the JSON lines)
@@ -123,15 +128,18 @@ def _replay(args: argparse.Namespace, calls: list[Any], executions: dict[str, An
                                                 e.reward, step=step, job_id=job_id))
             traj.close_step(job_id, step)
             report = trainer.wait_step(step, timeout_s=args.timeout_s)
-            trainable = sum(traj.execution_stats(eid + suffix, job_id=job_id).trainable_tokens for eid in executions)
+            stats = [traj.execution_stats(eid + suffix, job_id=job_id) for eid in executions]
             metrics = dict(report.metrics)
             peak = {name: _peak_rss_mib(r.pid) for name, r in up.items()}
             # a sharded group's ranks (rank 0 is the trainer service itself), as the trainer measured them
             peak.update({f"trainer/{r}": round(metrics[f"peak_rss_mib_rank{r}"], 1) for r in range(args.shards)
                          if f"peak_rss_mib_rank{r}" in metrics})
             print(json.dumps({
-                "step": step, "executions": len(executions), "trainable_tokens": trainable,
-                "trained_tokens": int(metrics.get("num_targets", 0)), "packed_tokens": int(metrics.get("tokens", 0)),
+                "step": step, "executions": len(executions),
+                "trainable_tokens": sum(s.trainable_tokens for s in stats),
+                "trained_tokens": int(metrics.get("num_targets", 0)),
+                "processed_tokens": int(metrics.get("tokens", 0)),  # every forward's tokens, context copies included
+                "tree_tokens": sum(s.tree_tokens for s in stats), "naive_tokens": sum(s.naive_tokens for s in stats),
                 "loss": metrics.get("loss"), "seconds": round(time.perf_counter() - t0, 2),
                 "peak_rss_mib": peak}), flush=True)
         trainer.stop_job(job_id)

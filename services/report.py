@@ -80,16 +80,19 @@ def write_report(out_dir: str | Path, *, steps: Sequence[Mapping[str, Any]], eva
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     xs = [s["step"] for s in steps]
-    ax.bar([x - 0.2 for x in xs], [s.get("naive_tokens", 0) for s in steps], width=0.4, label="naive (per path)")
-    ax.bar([x + 0.2 for x in xs], [s.get("tree_tokens", 0) for s in steps], width=0.4, label="tree")
+    ax.bar([x - 0.27 for x in xs], [s.get("naive_tokens", 0) for s in steps], width=0.27, label="naive (per path)")
+    ax.bar(xs, [s.get("tree_tokens", 0) for s in steps], width=0.27, label="tree")
+    ax.bar([x + 0.27 for x in xs], [s.get("processed_tokens", 0) for s in steps], width=0.27,
+           label="processed (trainer forwards)")
     ax.set_xlabel("step")
-    ax.set_ylabel("tokens trained")
+    ax.set_ylabel("tokens")
     ax.legend()
-    ax.set_title("Tokens: naive path expansion vs prefix-sharing tree")
+    ax.set_title("Tokens: naive path expansion, prefix-sharing tree, what the trainer processed")
     fig.tight_layout()
     fig.savefig(out / "tokens.png", dpi=110)
     plt.close(fig)
-    figures.append(("tokens.png", "Tokens per step if every path were trained separately vs the packed tree."))
+    figures.append(("tokens.png", "Tokens per step if every path were trained separately, in the prefix-sharing "
+                                  "tree, and what the trainer's forwards processed (the tree plus any context copies)."))
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for direction, color in (("rollout->train", "#DD8452"), ("train->rollout", "#4C72B0")):
@@ -198,6 +201,9 @@ def _summary(steps: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, An
     tree = sum(s.get("tree_tokens", 0) for s in steps)
     if tree:
         out["tokens naive / tree"] = f"{naive} / {tree} ({naive / tree:.2f}x)"
+        processed = sum(s.get("processed_tokens", 0) for s in steps)
+        if processed:
+            out["tokens processed / tree"] = f"{processed:.0f} / {tree} ({processed / tree:.2f}x)"
     for direction in ("rollout->train", "train->rollout"):
         ds = [s["duration_s"] for s in switches if f"{s['from']}->{s['to']}" == direction]
         if ds:

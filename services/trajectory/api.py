@@ -385,10 +385,12 @@ class TrajectoryApi:
     def _release(self, st: _Step, groups: list[str]) -> None:
         """Pack the executions of complete ``groups`` into the step's pool. Caller holds st.lock."""
         t0 = time.perf_counter()
-        if not st.spec.token_budget or not st.spec.max_paths:
-            # fix budget and path cap (-1 = all paths) at the first release, so a restart recomputes identical chunks
+        if not st.spec.token_budget or not st.spec.max_paths or not st.spec.tree_split:
+            # fix budget, path cap (-1 = all paths) and split at the first release, so a restart
+            # recomputes identical chunks
             st.spec = replace(st.spec, token_budget=self._budget(st),
-                              max_paths=st.spec.max_paths or self.cfg.max_paths or -1)
+                              max_paths=st.spec.max_paths or self.cfg.max_paths or -1,
+                              tree_split=st.spec.tree_split or self.cfg.tree_split)
             self.store.put_step(st.job_id, st.step, st.spec)
         self.store.mark_released(st.job_id, st.step, groups)
         for g in groups:
@@ -423,7 +425,8 @@ class TrajectoryApi:
                                 step=st.step, execution_id=o.execution_id, calls=ex.num_calls)
                 continue
             st.ready[o.execution_id] = _Ready(adv[o.execution_id], arrays.num_trainable)
-            for i, chunk in enumerate(split_tree(o.execution_id, arrays, self._budget(st))):
+            split = st.spec.tree_split or self.cfg.tree_split
+            for i, chunk in enumerate(split_tree(o.execution_id, arrays, self._budget(st), split=split)):
                 if (o.execution_id, i) not in emitted:
                     st.pool.append((o.execution_id, i, chunk))
 

@@ -15,6 +15,10 @@ class TrajectoryConfig(ServerConfig):
     max_paths: int = setting(0, "Root-to-leaf paths kept per execution (role priority, then record order); "
                                 "0 = all paths.")
     token_budget: int = setting(16384, "Default micro-batch size, tokens (a step may set its own).")
+    tree_split: str = setting("pieces", "How a tree larger than the token budget trains: 'pieces' (the whole "
+                                        "tree in DFS pieces of at most the budget, each attending to earlier "
+                                        "pieces' kept keys/values: every tree token computed once) or 'context' "
+                                        "(DFS chunks, each with its root path copied in as context).")
     vocab_size: int = setting(0, "Token ids must be < vocab_size; 0 = only the int32 range is checked.")
     max_record_tokens: int = setting(4_194_304, "Largest record (new prompt tokens + output), tokens.")
     batch_lease_s: float = setting(1800.0, "A handed-out micro-batch not acknowledged within this many seconds "
@@ -29,6 +33,7 @@ class TrajectoryConfig(ServerConfig):
         super().__post_init__()
         check(self.max_paths >= 0, "max_paths", self.max_paths, ">= 0 (0 = all paths)")
         check(self.token_budget >= 16, "token_budget", self.token_budget, "at least 16 tokens")
+        check(self.tree_split in ("pieces", "context"), "tree_split", self.tree_split, "'pieces' or 'context'")
         check(self.vocab_size >= 0, "vocab_size", self.vocab_size, ">= 0 (0 = unchecked)")
         check(self.max_record_tokens >= 1, "max_record_tokens", self.max_record_tokens, "at least 1 token")
         check(self.batch_lease_s > 0, "batch_lease_s", self.batch_lease_s, "> 0 seconds")

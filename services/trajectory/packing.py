@@ -5,7 +5,15 @@ linear in size: token j attends to token i iff ``i <= j < subtree_end[i]`` (i is
 ancestors) -- usable directly as a flex_attention ``mask_mod``, as a block mask, or expanded to a
 dense bool mask for small batches (``dense_mask``).
 
-Splitting (``split_tree``): a tree larger than the budget is cut into contiguous DFS ranges
+Splitting (``split_tree``), two ways for a tree larger than the budget (``TREE_SPLITS``):
+
+- ``pieces`` (the default): the whole tree is one chunk, packed alone, and its micro-batch carries a
+  piece plan (``piece_starts``: consecutive DFS ranges of at most ``token_budget`` tokens). The
+  trainer runs one forward per piece, each attending to its ancestors' keys/values kept from earlier
+  pieces (DFS: a token's ancestors all come before it), their gradients sent back
+  (``TreePolicy.train_chunked``). Every tree token is computed once, at any depth; what grows with
+  the tree is the kept keys/values, not the activations.
+- ``context``: a tree larger than the budget is cut into contiguous DFS ranges
 ``[a, b)``. Every ancestor outside the range of a node in ``[a, b)`` is an ancestor of ``a``
 (DFS property), so a chunk is its range plus the root path of ``a`` as non-trainable context:
 ``depth(a) + (b - a)`` tokens. Cuts prefer starts of branches (shallow context) and otherwise
@@ -156,13 +164,19 @@ class Chunk:
         return int(self.tree.trainable[self.start : self.stop].sum())
 
 
-def split_tree(execution_id: str, tree: TreeArrays, token_budget: int) -> list[Chunk]:
-    """Cut ``tree`` into chunks of at most ``token_budget`` tokens each (see module docstring)."""
+TREE_SPLITS = ("pieces", "context")
+
+
+def split_tree(execution_id: str, tree: TreeArrays, token_budget: int, *, split: str = "context") -> list[Chunk]:
+    """The chunks ``tree`` trains in (see module docstring): the whole tree (``split="pieces"``), or
+    chunks of at most ``token_budget`` tokens each with their root paths as context."""
     if token_budget < 1:
         raise ValueError(f"token_budget is {token_budget}; it must be >= 1")
+    if split not in TREE_SPLITS:
+        raise ValueError(f"split is {split!r}; expected {' or '.join(TREE_SPLITS)}")
     n = len(tree)
     empty = np.zeros(0, dtype=np.int64)
-    if n <= token_budget:
+    if n <= token_budget or split == "pieces":
         return [Chunk(execution_id, tree, 0, n, empty)] if n else []
     idx = np.arange(n, dtype=np.int64)
     parent = tree.parent.astype(np.int64)
@@ -242,8 +256,8 @@ def assemble(chunks: Sequence[Chunk], *, step: int, advantages: Mapping[str, flo
              token_weights: Mapping[str, float], token_budget: int = 0) -> PackedBatch:
     """One PackedBatch from ``chunks``; ``token_weights[e]`` is the loss weight of each trainable
     node of execution ``e`` (1 / (its trainable nodes * executions in the step)). With a
-    ``token_budget``, a batch longer than it (one chunk of a path deeper than the budget) gets a
-    piece plan (``plan_pieces``)."""
+    ``token_budget``, a batch longer than it (a whole tree, or a chunk of a path deeper than the
+    budget) gets a piece plan (``plan_pieces``)."""
     exec_ids: list[str] = []
     where: dict[str, int] = {}
     parts: dict[str, list[np.ndarray]] = {name: [] for name in _ARRAYS}

@@ -54,6 +54,7 @@ class StepSpec:
     group_size: int = 0
     token_budget: int = 0
     max_paths: int = 0
+    tree_split: str = ""  # "pieces" or "context" ("": the service's, fixed at the step's first release)
     sealed: bool = False
     normalize_advantages: bool = False  # the job's [job.algorithm] (services/algorithm.py)
     advantage_eps: float = 0.0  # 0: the default

@@ -34,7 +34,8 @@ def test_replay_trains_every_trainable_token_once_per_step(tmp_path: Path) -> No
     assert [s["step"] for s in steps] == [0, 1]
     for s in steps:
         assert s["executions"] == 4 and s["trainable_tokens"] == s["trained_tokens"] == 4 * 8 * 8
-        assert math.isfinite(s["loss"]) and s["packed_tokens"] > s["trainable_tokens"]
+        assert math.isfinite(s["loss"]) and s["processed_tokens"] > s["trainable_tokens"]
+        assert s["processed_tokens"] == s["tree_tokens"] < s["naive_tokens"]  # shared prefixes once
         assert set(s["peak_rss_mib"]) == {"trajectory", "trainer"} and all(s["peak_rss_mib"].values())
     # one path per branch kept: fewer paths, fewer trained tokens, still every kept one once
     (kept,) = steps_of(replay(tmp_path, "--records", str(records), "--max-paths", "1"))
@@ -49,7 +50,7 @@ def test_replay_trains_a_path_deeper_than_the_dense_mask_limit(tmp_path: Path) -
     records = write_records(tmp_path / "deep.jsonl", executions=1, turns=15, tool_tokens=600, output_tokens=16)
     (step,) = steps_of(replay(tmp_path, "--records", str(records), "--token-budget", "4096",
                               "--activation-checkpointing"))
-    assert step["packed_tokens"] > 8192 and step["trained_tokens"] == step["trainable_tokens"] > 0
+    assert step["processed_tokens"] > 8192 and step["trained_tokens"] == step["trainable_tokens"] > 0
     assert math.isfinite(step["loss"])
 
 
@@ -63,12 +64,29 @@ def test_replay_on_a_sharded_trainer_group_gives_the_losses_of_one_process(tmp_p
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert a["trained_tokens"] == b["trained_tokens"] == a["trainable_tokens"] > 0
-        assert a["packed_tokens"] == b["packed_tokens"] > 1024
+        assert a["processed_tokens"] == b["processed_tokens"] > 1024
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert set(b["peak_rss_mib"]) == {"trajectory", "trainer", "trainer/0", "trainer/1"}
         assert all(v > 0 for v in b["peak_rss_mib"].values())
     proc = replay(tmp_path / "bad", "--records", str(records), "--shards", "0")
     assert proc.returncode == 2 and proc.stderr.strip() == "gyre replay: --shards must be at least 1, got 0"
+
+
+def test_deep_trees_train_at_tree_cost_in_pieces_with_the_losses_of_context_chunks(tmp_path: Path) -> None:
+    # executions ~1,600 tokens deep with a retry of the last turn and a sub-agent forked from the whole
+    # main context (branches far below the 512-token budget), beside a compaction: in DFS pieces every
+    # tree token is computed once; cut into chunks, each chunk carries its root path again
+    records = write_records(tmp_path / "deep.jsonl", executions=2, turns=7, tool_tokens=200, output_tokens=16,
+                            deep=True)
+    args = ("--records", str(records), "--token-budget", "512", "--chunk-tokens", "512")
+    (pieces,) = steps_of(replay(tmp_path / "pieces", *args))
+    (context,) = steps_of(replay(tmp_path / "context", *args, "--tree-split", "context"))
+    assert pieces["processed_tokens"] == pieces["tree_tokens"] == context["tree_tokens"] < pieces["naive_tokens"]
+    assert context["processed_tokens"] > 1.5 * context["tree_tokens"]  # the context copies
+    assert pieces["trained_tokens"] == context["trained_tokens"] == pieces["trainable_tokens"] > 0
+    assert pieces["loss"] == pytest.approx(context["loss"], rel=1e-4)
+    proc = replay(tmp_path / "bad", "--records", str(records), "--tree-split", "copies")
+    assert proc.returncode == 2 and "--tree-split: invalid choice: 'copies'" in proc.stderr
 
 
 def test_a_bad_record_is_one_sentence_naming_its_line_and_starts_nothing(tmp_path: Path) -> None:

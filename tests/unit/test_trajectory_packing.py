@@ -29,8 +29,8 @@ def batch_paths(batch: PackedBatch) -> list[tuple[int, ...]]:
 
 
 def pack_executions(trees: dict[str, TreeArrays], budget: int, *, step: int = 0,
-                    num_executions: int | None = None) -> tuple[list[PackedBatch], int]:
-    chunks = [c for eid, t in trees.items() for c in split_tree(eid, t, budget)]
+                    num_executions: int | None = None, split: str = "context") -> tuple[list[PackedBatch], int]:
+    chunks = [c for eid, t in trees.items() for c in split_tree(eid, t, budget, split=split)]
     d = num_executions or len(trees)
     weights = {eid: 1.0 / (t.num_trainable * d) for eid, t in trees.items()}
     adv = {eid: float(i) - 1.0 for i, eid in enumerate(trees)}
@@ -168,3 +168,28 @@ def test_group_advantages_and_outcome_filtering() -> None:
     adv = outcome_advantages(outcomes)
     assert set(adv) == {"a", "b", "x"}
     assert adv["a"] == pytest.approx(0.3) and adv["b"] == pytest.approx(-0.3) and adv["x"] == 0.0
+
+
+def test_in_pieces_a_tree_larger_than_the_budget_is_one_batch_of_dfs_pieces_without_copies() -> None:
+    """``split="pieces"``: every tree token once (no context copies), the tree's batch planned in DFS
+    pieces of at most the budget; small trees still share batches; every target once, with its path."""
+    sys_prompt = list(range(1, 9))
+    big_calls = [TitoCall("b", f"c{i}", "a", AgentRole.MAIN, np.array([60 + i] * 6), -np.ones(6), 0,
+                          prompt_ids=np.array(sys_prompt + [100 + i])) for i in range(4)]
+    big = tree_of(big_calls).arrays()
+    small = {f"s{i}": tree_of([TitoCall(f"s{i}", "c", "a", AgentRole.MAIN, np.array([50, 51]), -np.ones(2), 0,
+                                        prompt_ids=np.array([1, 2]))]).arrays() for i in range(3)}
+    (chunk,) = split_tree("b", big, 17, split="pieces")
+    assert (chunk.start, chunk.stop, chunk.size, len(chunk.context)) == (0, len(big), len(big), 0)
+    batches, overhead = pack_executions({"b": big, **small}, 17, split="pieces")
+    assert overhead == 0 and sum(len(b) for b in batches) == len(big) + sum(len(t) for t in small.values())
+    (whole,) = [b for b in batches if "b" in b.execution_ids]
+    whole.validate()
+    assert whole.execution_ids == ("b",) and len(whole) == len(big)
+    assert whole.piece_starts.tolist() == [0, 17, 34] and pieces(whole) == [17, 17, 2]
+    assert all(len(b.piece_starts) == 0 and len(b) <= 17 for b in batches if b is not whole)
+    # the batch is the tree itself: every token's path is the tree's
+    ref = NaiveTree.layout_paths(big.parent, big.tokens)
+    assert batch_paths(whole) == ref and whole.trainable.sum() == big.num_trainable
+    with pytest.raises(ValueError, match="split is 'copies'"):
+        split_tree("b", big, 17, split="copies")
