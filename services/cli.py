@@ -90,10 +90,16 @@ def cmd_submit(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     from services.jobwatch import JobView, follow
+    from services.scheduler.jobs import spec_dict
+    from services.tracking import Trackers, parse_loggers
+
+    if args.logger and args.json:
+        raise ValueError("--logger logs the job's figures while watching it live; --json only prints its events")
+    parse_loggers(args.logger)  # an unknown tracker: one sentence before anything else
 
     with _scheduler(args) as scheduler:
         view = JobView(args.job)
-        scheduler.get_job(args.job)  # NOT_FOUND in one sentence before anything else
+        job = scheduler.get_job(args.job)  # NOT_FOUND in one sentence before anything else
         if args.json:
             for ev in follow(scheduler, view):
                 print(json.dumps(view.to_json_event(ev)), flush=True)
@@ -108,10 +114,16 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.job)
             log_path = Path(tempfile.gettempdir()) / f"gyre-watch-{safe}.log"
-            with Progress(scheduler, view, quiet=args.quiet, log_path=log_path) as progress:
-                for _ev in follow(scheduler, view):
-                    progress.update()
-                progress.update(force=True)
+            trackers = Trackers.open(args.logger, args.logger_dir or f"reports/{safe}", job_id=args.job,
+                                     config=spec_dict(job.spec))
+            try:
+                with Progress(scheduler, view, quiet=args.quiet, log_path=log_path) as progress:
+                    for ev in follow(scheduler, view):
+                        trackers.add(ev)
+                        progress.update()
+                    progress.update(force=True)
+            finally:
+                trackers.close()
             job = scheduler.get_job(args.job)
             print(f"{args.job}: {job.state.value} at weight version {job.weight_version}"
                   + (f" ({job.message})" if job.message else ""))
@@ -360,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     wa.add_argument("job")
     wa.add_argument("--json", action="store_true", help="one JSON event per line; the last has state, weight_version")
     wa.add_argument("--quiet", action="store_true", help="plain progress lines instead of a live table")
+    wa.add_argument("--logger", default="", help="trackers that log every step's figures: tensorboard, wandb (offline "
+                                                 "unless WANDB_MODE says otherwise), mlflow; comma-separated")
+    wa.add_argument("--logger-dir", default="", help="where the trackers write (default: reports/<job>)")
     wa.set_defaults(fn=cmd_watch)
     jb = sub.add_parser("jobs", parents=[client], help="list jobs")
     jb.add_argument("--json", action="store_true")

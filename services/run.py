@@ -64,6 +64,10 @@ class RunConfig:
     quiet: bool = setting(False, "No live progress display (plain log lines instead).")
     save_policy: bool = setting(True, "Write the trained policy to <report_dir>/policy (a model directory: "
                                       "`gyre run --model DIR` trains on from it).")
+    logger: str = setting("", "Experiment trackers that log every step's figures from the job's events, comma-"
+                              "separated: tensorboard (<report_dir>/tensorboard), wandb (offline in "
+                              "<report_dir>/wandb unless WANDB_MODE says otherwise), mlflow (a file store in "
+                              "<report_dir>/mlruns unless MLFLOW_TRACKING_URI is set).")
     harness_loop: str = setting("builtin", "Agent loop the built-in harness runs tool-calling tasks with: builtin, "
                                            "openai-agents, smolagents, mini-swe-agent, claude-code or codex (`--harness "
                                            "NAME` sets it and, "
@@ -74,6 +78,12 @@ class RunConfig:
         check(self.harness_concurrency >= 1, "harness_concurrency", self.harness_concurrency, "at least 1")
         check(self.time_budget_s > 0, "time_budget_s", self.time_budget_s, "positive")
         check(self.harness_loop in LOOPS, "harness_loop", self.harness_loop, " or ".join(LOOPS))
+        from services.tracking import LOGGERS, parse_loggers
+
+        try:
+            parse_loggers(self.logger)
+        except ValueError:
+            check(False, "logger", self.logger, "a comma-separated list of " + ", ".join(LOGGERS))
 
 
 @dataclasses.dataclass
@@ -146,8 +156,16 @@ def run_job(run: RunConfig, spec: JobSpec, *, echo: Callable[[str], None] = prin
         job = scheduler.submit_job(spec)
         echo(f"job: {job.job_id}")
         view = JobView(job.job_id)
-        state = _watch(run, scheduler, view, t0, echo, failed=supervisor.failed,
-                       log_path=launcher.data_dir / "logs" / "gyre-run.log")
+        from services.tracking import Trackers
+
+        trackers = Trackers.open(run.logger, run.report_dir, job_id=job.job_id, config=spec.to_dict())
+        try:
+            state = _watch(run, scheduler, view, t0, echo, failed=supervisor.failed,
+                           log_path=launcher.data_dir / "logs" / "gyre-run.log", trackers=trackers)
+        finally:
+            trackers.close()
+        if run.logger:
+            echo(f"trackers: {run.logger} ({trackers.logged} step figures) in {run.report_dir}")
         migrations = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_migrations_total", "transport")
         prompt = _scrape(up["gateway"].metrics_port, "gyre_rollout_gateway_job_prompt_tokens_total", "kind",
                          where={"job_id": job.job_id})
@@ -238,10 +256,12 @@ def save_policy(checkpoints: Path, base: Path, out: Path, *, job_id: str) -> Pat
 
 
 def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Callable[[str], None],
-           failed: Callable[[], dict[str, dict[str, str]]] | None = None, log_path: Path | None = None) -> str:
+           failed: Callable[[], dict[str, dict[str, str]]] | None = None, log_path: Path | None = None,
+           trackers: Any = None) -> str:
     """Live progress until the job ends or the budget runs out; returns the job's final state
-    (this command's own log lines go to ``log_path`` while the live table shows).
-    ``failed()`` -> processes whose restart budget is spent: the run stops with that news."""
+    (this command's own log lines go to ``log_path`` while the live table shows; every event also
+    goes to ``trackers``). ``failed()`` -> processes whose restart budget is spent: the run stops
+    with that news."""
     from services.progress import Progress
 
     deadline = t0 + run.time_budget_s
@@ -253,7 +273,9 @@ def _watch(run: RunConfig, scheduler: Any, view: JobView, t0: float, echo: Calla
         return bool(dead) or time.time() > deadline
 
     with Progress(scheduler, view, quiet=run.quiet, echo=echo, log_path=log_path) as progress:
-        for _ev in follow(scheduler, view, stop=stop, poll_s=1.0):
+        for ev in follow(scheduler, view, stop=stop, poll_s=1.0):
+            if trackers is not None:
+                trackers.add(ev)
             progress.update()
         progress.update(force=True)
     if dead:

@@ -12,7 +12,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import Counter
@@ -187,9 +187,10 @@ class SchedulerApi:
                 return
 
     def report_training(self, job_id: str, step: int, phase: str, weight_version: int, *,
-                        trained_tokens: float = 0.0, compute_s: float = 0.0,
-                        world_size: int = 0) -> tuple[JobStatus, bool]:
+                        trained_tokens: float = 0.0, compute_s: float = 0.0, world_size: int = 0,
+                        metrics: Mapping[str, float] | None = None) -> tuple[JobStatus, bool]:
         job = self.get_job(job_id)
+        figures = _step_metrics(metrics or {})
         if step < 0:
             raise InvalidArgument(f"step is {step}; expected >= 0")
         if not (math.isfinite(trained_tokens) and math.isfinite(compute_s)) or min(trained_tokens, compute_s) < 0:
@@ -201,7 +202,8 @@ class SchedulerApi:
         if (phase == "published" and step + 1 == job.spec.num_steps and job.current_step == step
                 and job.state is JobState.RUNNING and self.before_last_publish is not None):
             self.before_last_publish(job)
-        applied = self.state.report_training(job_id, step, phase, weight_version, measured)
+        applied = self.state.report_training(job_id, step, phase, weight_version, measured,
+                                             figures if phase == "published" else None)
         log.info("training reported", job_id=job_id, step=step, phase=phase, weight_version=weight_version,
                  duplicate=not applied)
         return self.state.get_job(job_id), not applied
@@ -366,3 +368,20 @@ class SchedulerApi:
             out.append(CellInfo(c, age, age <= self.cell_dead_after_s))
         return out
 
+
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}")
+MAX_STEP_METRICS = 256
+
+
+def _step_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """A published step's figures for its event, validated (InvalidArgument names the bad one)."""
+    if len(metrics) > MAX_STEP_METRICS:
+        raise InvalidArgument(f"a step reports {len(metrics)} metrics; at most {MAX_STEP_METRICS}")
+    out = {}
+    for name, value in metrics.items():
+        if not _METRIC_NAME.fullmatch(name):
+            raise InvalidArgument(f"metric name {name[:80]!r} must be 1-64 characters of A-Z a-z 0-9 _ . : / + -")
+        if not math.isfinite(value):
+            raise InvalidArgument(f"metric {name!r} is {value}; expected a finite number")
+        out[name] = float(value)
+    return out

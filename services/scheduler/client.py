@@ -13,7 +13,7 @@ errors of ``services.common.errors`` carrying the server's message, so callers n
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from protos.gyre.v1 import scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -80,14 +80,16 @@ class SchedulerClient(GrpcClient):
             yield event_from_proto(e)
 
     def report_training(self, job_id: str, step: int, phase: str, weight_version: int = 0, *,
-                        trained_tokens: float = 0.0, compute_s: float = 0.0,
-                        world_size: int = 0) -> tuple[JobStatus, bool]:
+                        trained_tokens: float = 0.0, compute_s: float = 0.0, world_size: int = 0,
+                        metrics: Mapping[str, float] | None = None) -> tuple[JobStatus, bool]:
         """Trainer progress: ``phase`` 'started' or 'published' (with ``weight_version`` = step + 1 and
-        what the update measured: tokens trained, the core's compute seconds, the world size)."""
+        what the update measured: tokens trained, the core's compute seconds, the world size, and
+        the step's ``metrics`` for the job's event log)."""
         if phase not in _PHASES:
             raise ValueError(f"phase {phase!r} must be 'started' or 'published'")
         req = pb.ReportTrainingRequest(job_id=job_id, step=step, phase=_PHASES[phase], weight_version=weight_version,
-                                       trained_tokens=trained_tokens, compute_s=compute_s, world_size=world_size)
+                                       trained_tokens=trained_tokens, compute_s=compute_s, world_size=world_size,
+                                       metrics=dict(metrics or {}))
         res = self._call(self._sched.ReportTraining, req)
         return job_from_proto(res.job), res.duplicate
 

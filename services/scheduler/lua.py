@@ -289,7 +289,8 @@ xadd(KEYS[4], ARGV[2], ARGV[1], 'job_state', 'state', 'cancelled', 'message', AR
 return {1, #queued}
 """
 
-# KEYS: job, events, active   ARGV: step, phase ('started'|'published'), weight_version, now, maxlen, job_id
+# KEYS: job, events, active   ARGV: step, phase ('started'|'published'), weight_version, now, maxlen, job_id,
+# tokens, compute_s, world_size, then name/value pairs of the step's figures
 REPORT_TRAINING = _PRELUDE + r"""
 local st, cur, nsteps, gsize, groups = unpack(redis.call('HMGET', KEYS[1], 'state', 'current_step',
     'num_steps', 'group_size', 'groups_per_step'))
@@ -319,6 +320,7 @@ if tonumber(ARGV[7] or '0') > 0 and tonumber(ARGV[8] or '0') > 0 then
     trained[#trained + 1] = v
   end
 end
+for i = 10, #ARGV do trained[#trained + 1] = ARGV[i] end  -- the step's figures: trainer.<name>, value
 xadd(KEYS[2], ARGV[5], now, 'step_trained', unpack(trained))
 if step + 1 >= tonumber(nsteps) and redis.call('HGET', KEYS[1], 'hold_completion') == '1' then
   -- the job controller completes it after the final evaluation

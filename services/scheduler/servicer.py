@@ -80,7 +80,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                       request.phase, "phase", "STARTED or PUBLISHED")
         job, dup = self.api.report_training(request.job_id, request.step, phase,  # type: ignore[arg-type]
                                             request.weight_version, trained_tokens=request.trained_tokens,
-                                            compute_s=request.compute_s, world_size=request.world_size)
+                                            compute_s=request.compute_s, world_size=request.world_size,
+                                            metrics=dict(request.metrics))
         return pb.ReportTrainingResponse(job=job_to_proto(job), duplicate=dup)
 
 

@@ -372,9 +372,10 @@ class SchedulerState:
         return _i(self.r.hget(self.keys.job(job_id), f"done:{step}"))
 
     def report_training(self, job_id: str, step: int, phase: str, weight_version: int,
-                        measured: TrainSample | None = None) -> bool:
+                        measured: TrainSample | None = None, metrics: Mapping[str, float] | None = None) -> bool:
         """Trainer progress: ``started`` a step's update or ``published`` its weights (with what the
-        update ``measured``, kept as ``train:{step}``). False on a repeat."""
+        update ``measured``, kept as ``train:{step}``, and its ``metrics``, on the step_trained event
+        as ``trainer.<name>``). False on a repeat."""
         if phase not in ("started", "published"):
             raise InvalidArgument(f"training phase {phase!r} must be 'started' or 'published'")
         if phase == "published" and weight_version != step + 1:
@@ -384,7 +385,9 @@ class SchedulerState:
         res = self._run("REPORT_TRAINING", [k.job(job_id), k.events(job_id), k.active],
                         [step, phase, weight_version, self.now_ms(), self.event_maxlen, job_id,
                          *((f"{measured.tokens:.0f}", f"{measured.compute_s:.4f}", measured.world_size)
-                           if measured else ("0", "0", 0))])
+                           if measured else ("0", "0", 0)),
+                         *(x for name, value in sorted((metrics or {}).items())
+                           for x in (f"trainer.{name}", repr(float(value))))])
         code = res[0]
         if code == -1:
             raise NotFound(f"job {job_id!r} does not exist")

@@ -353,7 +353,7 @@ class CoreTrainer:
         self._report(job, step, "published", new_version,
                      {"tokens": float(metrics.get("tokens", 0.0)),
                       "compute_s": max(compute_s, metrics.get("compute_s_max", 0.0)),
-                      "world_size": float(seal.world_size)})
+                      "world_size": float(seal.world_size)}, metrics)
         settle = getattr(st.source, "settle", None)
         if settle is not None:
             try:
@@ -453,13 +453,14 @@ class CoreTrainer:
                              engines_failed=tuple(failed))
 
     def _report(self, job: TrainerJob, step: int, phase: str, version: int,
-                measured: dict[str, float] | None = None) -> None:
+                measured: dict[str, float] | None = None, metrics: dict[str, float] | None = None) -> None:
         """Tell the scheduler (``reporter``, wired in main) that a step started / was published
-        (``measured``: the update's tokens, compute seconds and world size)."""
+        (``measured``: the update's tokens, compute seconds and world size; ``metrics``: all its figures,
+        for the job's event log)."""
         if self.reporter is None:
             return
         try:
-            self.reporter(job, step, phase, version, measured)
+            self.reporter(job, step, phase, version, measured, metrics)
         except Exception as exc:  # progress reports are advisory; training goes on
             log.warning("step report failed", job_id=job.job_id, step=step, phase=phase, error=str(exc))
 

@@ -9,6 +9,7 @@ Heavy imports (torch, transformers) happen inside the build functions, so ``--he
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -75,15 +76,18 @@ def scheduler_reporter() -> Callable[..., None]:
 
     clients: dict[str, SchedulerClient] = {}
 
-    def report(job: Any, step: int, phase: str, version: int, measured: Mapping[str, float] | None = None) -> None:
+    def report(job: Any, step: int, phase: str, version: int, measured: Mapping[str, float] | None = None,
+               metrics: Mapping[str, float] | None = None) -> None:
         if not job.scheduler_address:
             return
         client = clients.get(job.scheduler_address)
         if client is None:
             client = clients[job.scheduler_address] = SchedulerClient(job.scheduler_address)
         m = measured or {}
+        figures = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}  # the event log's
         client.report_training(job.job_id, step, phase, version, trained_tokens=float(m.get("tokens", 0.0)),
-                               compute_s=float(m.get("compute_s", 0.0)), world_size=int(m.get("world_size", 0)))
+                               compute_s=float(m.get("compute_s", 0.0)), world_size=int(m.get("world_size", 0)),
+                               metrics=figures)
 
     return report
 

@@ -63,6 +63,18 @@ def test_a_client_with_only_grpc_stubs_trains_a_job(stack: Path) -> None:
     assert any(j["job_id"] == res["job_id"] and j["state"] == "completed" for j in jobs)
     last = json.loads(gyre(stack, "watch", res["job_id"], "--json").stdout.strip().splitlines()[-1])
     assert last["state"] == "completed" and last["weight_version"] == 2
+    # watched after the fact into trackers: the figures every step_trained event carries
+    gyre(stack, "watch", res["job_id"], "--quiet", "--logger", "tensorboard,mlflow", "--logger-dir",
+         str(stack / "tracked"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(stack / "tracked" / "tensorboard" / res["job_id"]))
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("trainer/loss")] == [0, 1]
+    assert sorted(s.step for s in acc.Scalars("heldout/pass_rate")) == [0, 1, 2]
+    assert (stack / "tracked" / "mlruns").is_dir()
+    bad = gyre(stack, "watch", res["job_id"], "--logger", "comet", check=False)
+    assert bad.returncode != 0 and "logger 'comet' is not one of tensorboard, wandb, mlflow" in bad.stderr
     report = gyre(stack, "report", res["job_id"], "--out", str(stack / "report")).stdout
     assert "report:" in report and (stack / "report" / "report.html").exists()
     lines = (stack / "report" / "metrics.jsonl").read_text().splitlines()

@@ -289,7 +289,7 @@ def test_gyre_run_sharded_trains_on_a_group_and_cells_join_as_replica_groups(tmp
     cfg, spec, _ = load_run(["--shards", "2", "--mode", "colocate", "--staleness_bound", "0", *SMALL_TASKS,
                              "--num_steps", "2", "--groups_per_step", "4", "--group_size", "2",
                              "--evaluation.tasks", "2", "--evaluation.every", "2", "--engines", "2",
-                             "--harness_concurrency", "8", "--quiet", "true"])
+                             "--harness_concurrency", "8", "--quiet", "true", "--logger", "tensorboard,mlflow"])
     cfg = dataclasses.replace(cfg, time_budget_s=600, report_dir=str(tmp_path / "report"),
                               data_dir=str(tmp_path / "data"))
     assert spec.shards == 2
@@ -303,3 +303,12 @@ def test_gyre_run_sharded_trains_on_a_group_and_cells_join_as_replica_groups(tmp
     assert any("-replica" not in n for n in ranks) and any("-replica" in n for n in ranks), ranks
     worlds = [int(row.get("world_size", 0)) for row in result.steps]
     assert max(worlds) >= 2, result.steps  # a replica group took part in a step's all-reduce
+    # the trainer's figures of each step went into the job's events, and from them into the trackers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "report" / "tensorboard" / result.job_id))
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("trainer/loss")] == [0, 1]
+    assert [s.value for s in acc.Scalars("trainer/shards")] == [2.0, 2.0]
+    assert [s.step for s in acc.Scalars("heldout/pass_rate")] == [0, 2]
+    assert (tmp_path / "report" / "mlruns").is_dir()

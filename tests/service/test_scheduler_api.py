@@ -67,7 +67,11 @@ def test_job_runs_through_steps_with_leases_training_reports_and_events(sched: I
     assert s.client.lease("w", job_id="j1") is None  # colocate: step 1 waits for version 1
 
     s.client.report_training("j1", 0, "started")
-    job, dup = s.client.report_training("j1", 0, "published", 1)
+    for bad, why in (({"a b": 1.0}, "metric name 'a b' must be"), ({"loss": float("nan")}, "metric 'loss' is nan")):
+        with pytest.raises(InvalidArgument, match=why):  # nothing applied: the step is still open
+            s.client.report_training("j1", 0, "published", 1, metrics=bad)
+    job, dup = s.client.report_training("j1", 0, "published", 1,
+                                        metrics={"loss": 0.5, "staleness_8+": 0.0, "entropy": 1.25})
     assert not dup and job.weight_version == 1 and job.current_step == 1
     orch.tick()
     assert s.client.get_job("j1").queued == 4
@@ -80,6 +84,9 @@ def test_job_runs_through_steps_with_leases_training_reports_and_events(sched: I
     assert kinds[:3] == ["job_submitted", "job_state", "step_started"]
     assert kinds.count("execution_completed") == 8 and kinds.count("step_trained") == 2
     assert kinds.count("group_done") == 4 and kinds[-1] == "job_state"
+    trained = [e.attrs for e in events if e.kind == "step_trained"]
+    assert trained[0]["trainer.loss"] == "0.5" and trained[0]["trainer.staleness_8+"] == "0.0"
+    assert not any(k.startswith("trainer.") for k in trained[1])  # step 1 reported no figures
     # resuming from an event id yields exactly the rest
     tail = list(s.client.watch("j1", after_event_id=events[5].event_id, follow=False))
     assert [e.event_id for e in tail] == [e.event_id for e in events[6:]]

@@ -95,7 +95,7 @@ def test_update_is_independent_of_replicas_and_join_time(tmp_path: Path) -> None
 
     published: dict[int, dict[str, float]] = {}  # what the scheduler is told each update measured
     core = CoreTrainer(member_timeout_s=120.0, replica_silence_s=6.0,
-                       reporter=lambda job, step, phase, version, measured=None:
+                       reporter=lambda job, step, phase, version, measured=None, metrics=None:
                        published.setdefault(step, dict(measured or {})) if phase == "published" else None)
     core.weights.keep = STEPS + 1
     servicer = TrainerServicer(core)
