@@ -25,6 +25,18 @@ USAGE_KEYS = ("calls", "calls_in_flight", "prompt_tokens", "cached_tokens", "out
               "last_context")
 
 
+def training_line(t: dict[str, float]) -> str:
+    """One line of the trainer's last published step (``JobView.last_training``) for people: its
+    loss, tokens/s, the world of its all-reduce and, for a sharded trainer, each rank's peak RSS."""
+    parts = [f"loss {t.get('loss', 0.0):.4f}", f"{t.get('tokens_per_s', 0.0):,.0f} tok/s",
+             f"world {t.get('world_size', 1):.0f}"]
+    shards = int(t.get("shards", 1))
+    if shards > 1:
+        rss = [t.get(f"peak_rss_mib_rank{r}") for r in range(shards)]
+        parts.append(f"{shards} ranks, peak RSS " + ", ".join("?" if v is None else f"{v:,.0f}" for v in rss) + " MiB")
+    return ", ".join(parts)
+
+
 def usage_line(u: dict[str, float]) -> str:
     """One line of a job's model calls (``JobView.usage()``) for people."""
     rate = (f", {u['output_tok_s']:,.0f} tok/s generated, {u['prefill_tok_s']:,.0f} tok/s prefilled"
@@ -55,6 +67,8 @@ class JobView:
     role_spans: list[dict[str, Any]] = field(default_factory=list)
     _role_at: dict[str, tuple[str, float]] = field(default_factory=dict)
     last_metrics: dict[str, str] = field(default_factory=dict)
+    # the trainer's figures of the last published step (its step_trained event's trainer.<name>)
+    last_training: dict[str, float] = field(default_factory=dict)
     # the job's model calls, from the gateway's totals in 'metrics' events (``usage()``)
     _usage: tuple[float, dict[str, int]] | None = None
     _usage_before: tuple[float, dict[str, int]] | None = None
@@ -75,6 +89,9 @@ class JobView:
         elif kind == "step_trained":
             self.steps[int(a["step"])] = at
             self.weight_version = max(self.weight_version, int(a.get("weight_version", 0) or 0))
+            figures = {k[len("trainer."):]: float(v) for k, v in a.items() if k.startswith("trainer.")}
+            if figures:
+                self.last_training = figures
         elif kind == "execution_completed":
             status = a.get("status", "?")
             if a.get("evaluation"):

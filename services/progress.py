@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.jobwatch import JobView, usage_line
+from services.jobwatch import JobView, training_line, usage_line
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:
@@ -84,8 +84,9 @@ class Progress:
         calls = (f" calls {u['calls']:,.0f} context {u['last_context']:,.0f}/{u['max_context']:,.0f} "
                  f"reuse {u['reuse']:.0%}" + (f" {u['output_tok_s']:,.0f} tok/s" if "output_tok_s" in u else "")
                  if u is not None else "")
+        trainer = f" trainer: {training_line(v.last_training)}" if v.last_training else ""
         return (f"[{v.job_id}] {v.state} step {steps} v{v.weight_version}{counts}{calls} switches {len(v.switches)} "
-                f"outcomes {dict(v.outcomes)}{last_eval}")
+                f"outcomes {dict(v.outcomes)}{last_eval}{trainer}")
 
     def _table(self) -> Any:
         from rich.table import Table
@@ -107,6 +108,8 @@ class Progress:
         u = v.usage()
         if u is not None:
             t.add_row("model calls", usage_line(u))
+        if v.last_training:
+            t.add_row("trainer", training_line(v.last_training))
         t.add_row("outcomes", ", ".join(f"{k} {n}" for k, n in sorted(v.outcomes.items())) or "-")
         if v.evals:
             t.add_row("held-out", "  ".join(f"{e['step']}: {e['heldout_pass_rate']:.2f}" for e in v.evals))

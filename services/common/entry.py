@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,53 +34,22 @@ def env_prefix(name: str) -> str:
     return f"GYRE_{name.upper().replace('-', '_')}_"
 
 
-def former_sources(name: str, former: str, path: str | None,
-                   environ: dict[str, str] | None = None) -> tuple[str, list[str]]:
-    """Settings of a service renamed from ``former`` (e.g. ``cell-agent`` -> ``cell-daemon``), so a
-    deployment written for the former name keeps working: a ``GYRE_<FORMER>_<FIELD>`` variable
-    counts where ``GYRE_<NAME>_<FIELD>`` is unset (copied into ``environ``, os.environ by default),
-    and the config file's ``[former]`` section is read when it has no ``[name]`` one. Returns (the
-    section to read, one sentence per former name used, for a warning)."""
-    env = os.environ if environ is None else environ
-    used: list[str] = []
-    old, new = env_prefix(former), env_prefix(name)
-    for key in sorted(k for k in env if k.startswith(old)):
-        target = new + key[len(old):]
-        if target not in env:
-            env[target] = env[key]
-            used.append(f"{key} is read as {target}")
-    section = name
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError):
-            data = {}  # load_config reports an unreadable file in one sentence
-        if former in data and name not in data:
-            section = former
-            used.append(f"section [{former}] of {path} is read as [{name}]")
-    return section, used
-
-
 def run_service(name: str, config_cls: type[C], build: Callable[[C], Built],
-                argv: Sequence[str] | None = None, *, former: str = "") -> int:
-    """Parse config, set up logging/metrics, build, mark SERVING, block until SIGTERM. ``former``: the
-    service's name before a rename, whose settings still count (see ``former_sources``)."""
+                argv: Sequence[str] | None = None) -> int:
+    """Parse config, set up logging/metrics, build, mark SERVING, block until SIGTERM."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         print(usage(name, config_cls))
         return 0
     path, rest = _take(args, "--config")
     port_path, rest = _take(rest, "--port-file")
-    section, former_used = former_sources(name, former, path) if former else (name, [])
     try:
-        cfg = load_config(config_cls, path=path, section=section, env_prefix=env_prefix(name), argv=rest)
+        cfg = load_config(config_cls, path=path, section=name, env_prefix=env_prefix(name), argv=rest)
     except ValueError as exc:
         print(f"gyre-{name}: {exc}", file=sys.stderr)
         return 2
     setup_logging(json=cfg.log_json, level=cfg.log_level, service=name)
     log = get_logger(f"services.{name}")
-    for sentence in former_used:
-        log.warning("a setting uses the service's former name; rename it", former=former, detail=sentence)
     try:
         security.configure(security.security_from(cfg))
         server, on_shutdown = build(cfg)

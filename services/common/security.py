@@ -39,9 +39,6 @@ _HO = _H | _O
 METHOD_ROLES: dict[str, frozenset[str]] = {
     **{f"/gyre.v1.Harnesses/{m}": _H for m in ("LeaseExecution", "Heartbeat", "CompleteExecution", "MintSession",
                                                  "ReleaseHarness")},
-    # ``Worker``: the former name of ``Harnesses`` (still served for harnesses of 0.x).
-    **{f"/gyre.v1.Worker/{m}": _H for m in ("LeaseExecution", "Heartbeat", "CompleteExecution", "MintSession",
-                                              "ReleaseWorker")},
     **{f"/gyre.v1.Gateway/{m}": _H for m in ("Generate", "GenerateStream")},
     **{f"/gyre.v1.Gateway/{m}": _O for m in ("RegisterEngine", "DeregisterEngine", "DrainEngine", "ListEngines",
                                              "JobUsage")},

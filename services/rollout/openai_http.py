@@ -19,7 +19,7 @@ Structured outputs: ``response_format`` ``json_object`` / ``json_schema`` (and a
 arguments) are enforced by the engine's grammar (``services/rollout/grammar.py``, xgrammar).
 
 Session base URLs: ``/s/<token>/v1/...`` (the token from a lease's ``session_base_url`` or
-``Worker.MintSession``) serves the same routes for a harness that knows only a base URL: the
+``Harnesses.MintSession``) serves the same routes for a harness that knows only a base URL: the
 session says the job, execution, agent, role and attempt, and those win over any header; a call
 through it that sends no ``temperature`` samples at the execution's (0 for a greedy evaluation:
 Claude Code, for one, sends none), otherwise at 1.

@@ -18,7 +18,6 @@ from typing import Any
 
 from protos.gyre.v1 import scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.client import GrpcClient
-from services.common.errors import Unimplemented
 from services.scheduler.api import CellInfo
 from services.scheduler.convert import (
     JOB_STATE_TO_PB,
@@ -172,19 +171,9 @@ class CellDaemonClient(GrpcClient):
     def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
         super().__init__(address, timeout_s=timeout_s, max_message_mb=64)
         self._stub: Any = scheduler_pb2_grpc.CellDaemonStub(self._channel)
-        self._former = False
 
     def _call_daemon(self, method: str, req: Any) -> Any:
-        """Call ``method``; a daemon of 0.x serves it only under the former name ``CellAgent``
-        (UNIMPLEMENTED under ``CellDaemon``), so that answer switches this client to it once."""
-        try:
-            return self._call(getattr(self._stub, method), req)
-        except Unimplemented:
-            if self._former:
-                raise
-            self._former = True
-            self._stub = scheduler_pb2_grpc.CellAgentStub(self._channel)
-            return self._call(getattr(self._stub, method), req)
+        return self._call(getattr(self._stub, method), req)
 
     def set_role(self, *, cell_id: str, role: CellRole, switch_id: str, job_id: str = "", step: int = 0,
                  weight_version: int = 0) -> tuple[CellRole, float]:

@@ -7,7 +7,6 @@ import dataclasses
 from services.common.config import ServerConfig, check, setting
 
 ACTUATORS = ("services", "daemon")
-FORMER_ACTUATORS = {"agent": "daemon"}  # names of 0.x, still accepted
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,7 +32,7 @@ class SchedulerConfig(ServerConfig):
     actuator: str = setting(
         "services",
         "How role switches are carried out: 'services' (gateway + trainer RPCs) or 'daemon' (each cell's "
-        "CellDaemon at its registered address; 'agent', its former name, is accepted).")
+        "CellDaemon at its registered address).")
     orchestrate: bool = setting(True, "Run the orchestration loop (false: API-only replica).")
     instance_id: str = setting("", "Name of this scheduler for leadership; empty: host:port (stable across restarts, "
                                    "so a restarted instance leads again at once). Never share one between two live "
@@ -53,8 +52,6 @@ class SchedulerConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.actuator in FORMER_ACTUATORS:
-            object.__setattr__(self, "actuator", FORMER_ACTUATORS[self.actuator])
         check(self.actuator in ACTUATORS, "actuator", self.actuator, "'services' or 'daemon'")
         check(self.tick_interval_s > 0, "tick_interval_s", self.tick_interval_s, "a positive number of seconds")
         check(self.leader_ttl_s > self.tick_interval_s, "leader_ttl_s", self.leader_ttl_s,

@@ -96,9 +96,7 @@ def build_daemon(cfg: CellDaemonConfig) -> Built:
                        commands={CellRole.ROLLOUT: cfg.rollout_command, CellRole.TRAIN: cfg.train_command},
                        stop_grace_s=cfg.stop_grace_s, switch_delay_s=cfg.switch_delay_s).start()
     servicer = CellDaemonServicer(daemon)
-    server = build_server("cell-daemon", [(scheduler_pb2_grpc.add_CellDaemonServicer_to_server, servicer),
-                                          # its former name, for schedulers of 0.x
-                                          (scheduler_pb2_grpc.add_CellAgentServicer_to_server, servicer)],
+    server = build_server("cell-daemon", [(scheduler_pb2_grpc.add_CellDaemonServicer_to_server, servicer)],
                           service_names=DAEMON_SERVICE_NAMES, host=cfg.host, port=cfg.port,
                           max_message_mb=cfg.max_message_mb, max_workers=cfg.max_workers)
     host = advertised_host(cfg.host, cfg.advertise_host, towards=cfg.scheduler_address)  # who dials us
@@ -112,8 +110,7 @@ def build_daemon(cfg: CellDaemonConfig) -> Built:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # "cell-agent": the name before 0.x's rename; its [cell-agent] section and GYRE_CELL_AGENT_* still count
-    return run_service("cell-daemon", CellDaemonConfig, build_daemon, argv, former="cell-agent")
+    return run_service("cell-daemon", CellDaemonConfig, build_daemon, argv)
 
 
 if __name__ == "__main__":

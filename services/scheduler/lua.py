@@ -106,7 +106,7 @@ local deadline = now + tonumber(timeout_ms)
 local attempt = redis.call('HINCRBY', ek, 'attempt', 1)
 redis.call('HSET', ek, 'state', 'leased', 'token', ARGV[4], 'harness_id', ARGV[5],
            'lease_expires_ms', expires, 'deadline_ms', deadline, 'leased_ms', now)
-redis.call('HDEL', ek, 'lease_released', 'worker_id')  -- worker_id: harness_id's name before 0.x's rename
+redis.call('HDEL', ek, 'lease_released')
 redis.call('ZADD', KEYS[4], expires, eid)
 redis.call('SADD', KEYS[3], eid)
 if ARGV[6] ~= '' then redis.call('SET', ARGV[6], eid, 'PX', ARGV[3]) end  -- the request's answer
@@ -258,9 +258,8 @@ RELEASE_HARNESS = r"""
 local out = {}
 for _, eid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local ek = ARGV[1] .. eid
-  -- worker_id: the field's name before the rename, in a lease taken by a scheduler of 0.x
-  local st, holder, former = unpack(redis.call('HMGET', ek, 'state', 'harness_id', 'worker_id'))
-  if st == 'leased' and (holder or former) == ARGV[2] then
+  local st, holder = unpack(redis.call('HMGET', ek, 'state', 'harness_id'))
+  if st == 'leased' and holder == ARGV[2] then
     redis.call('ZADD', KEYS[1], ARGV[3], eid)
     redis.call('HSET', ek, 'lease_expires_ms', ARGV[3], 'lease_released', '1')  -- no grace re-extends it
     out[#out + 1] = eid

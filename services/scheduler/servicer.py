@@ -1,8 +1,7 @@
 """gRPC adapters of the scheduler: proto in -> domain types -> ``SchedulerApi`` -> proto out.
 
-Serves ``Scheduler`` (clients, trainer), ``Harnesses`` (harnesses) and ``Cells`` (cells), plus
-``Worker``, the former name of ``Harnesses``, for clients of 0.x; the ``CellDaemon`` servicer is
-for a cell's daemon process. Errors
+Serves ``Scheduler`` (clients, trainer), ``Harnesses`` (harnesses) and ``Cells`` (cells); the
+``CellDaemon`` servicer is for a cell's daemon process. Errors
 are raised as domain exceptions; the common server interceptor maps them to status codes.
 Conversions live in ``convert.py`` (shared with the client).
 """
@@ -123,13 +122,6 @@ class HarnessesServicer(scheduler_pb2_grpc.HarnessesServicer):
         return pb.ReleaseHarnessResponse(execution_ids=self.api.release_harness(request.harness_id, request.reason))
 
 
-class FormerWorkerServicer(HarnessesServicer, scheduler_pb2_grpc.WorkerServicer):
-    """``Worker``, the former name of ``Harnesses``: the same methods (a harness of 0.x keeps working
-    against this scheduler), ``ReleaseWorker`` being ``ReleaseHarness``."""
-
-    ReleaseWorker = HarnessesServicer.ReleaseHarness
-
-
 class CellsServicer(scheduler_pb2_grpc.CellsServicer):
     def __init__(self, api: SchedulerApi) -> None:
         self.api = api
@@ -162,12 +154,10 @@ def registrations(api: SchedulerApi) -> list[Registration]:
     """(add_*_to_server, servicer) pairs for ``build_server``."""
     return [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(api)),
             (scheduler_pb2_grpc.add_HarnessesServicer_to_server, HarnessesServicer(api)),
-            (scheduler_pb2_grpc.add_WorkerServicer_to_server, FormerWorkerServicer(api)),
             (scheduler_pb2_grpc.add_CellsServicer_to_server, CellsServicer(api))]
 
 
-SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Scheduler", "Harnesses", "Worker",
-                                                                                       "Cells")]
+SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("Scheduler", "Harnesses", "Cells")]
 
 
 class CellDaemonServicer(scheduler_pb2_grpc.CellDaemonServicer):
@@ -189,5 +179,4 @@ class CellDaemonServicer(scheduler_pb2_grpc.CellDaemonServicer):
                                   last_switch_id=self.daemon.last_switch_id)
 
 
-# CellAgent: CellDaemon's former name, served beside it for schedulers of 0.x
-DAEMON_SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("CellDaemon", "CellAgent")]
+DAEMON_SERVICE_NAMES = [scheduler_pb2.DESCRIPTOR.services_by_name["CellDaemon"].full_name]

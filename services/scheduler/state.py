@@ -15,8 +15,7 @@ Key layout (prefix ``gyre:sched:``)::
     job:{job}:running         SET   leased execution ids
     job:{job}:events          STREAM  the job's event log (WatchJob reads it; ids resume a watch)
     exec:{execution}          HASH  job_id, step, group_id, payload, state, attempt, token,
-                                    lease_expires_ms, deadline_ms, harness_id (worker_id when a
-                                    scheduler of 0.x leased it), completion_token, ...
+                                    lease_expires_ms, deadline_ms, harness_id, completion_token, ...
                                     (expires ``retention_s`` after it ends)
     leases                    ZSET  execution_id -> lease_expires_ms (all jobs; the reaper's index)
     score_outbox              HASH  execution_id -> {job_id, step, group_id} JSON: executions whose
@@ -159,9 +158,8 @@ def _s(v: bytes | str | None, default: str = "") -> str:
 
 
 def _holder(h: Mapping[bytes, bytes]) -> str:
-    """The harness id an execution hash names: ``harness_id``, or ``worker_id`` (its name before the
-    rename) in a lease a scheduler of 0.x took, so leases survive an upgrade in place."""
-    return _s(h.get(b"harness_id") or h.get(b"worker_id"))
+    """The harness id an execution hash names."""
+    return _s(h.get(b"harness_id"))
 
 
 def _i(v: bytes | str | int | None, default: int = 0) -> int:

@@ -41,7 +41,7 @@ EXPECTED = {
     "services.trainer.main": _names(trainer_pb2, "Trainer"),
     "services.rollout.engine_main": _names(rollout_pb2, "Engine"),
     "services.rollout.gateway_main": _names(rollout_pb2, "Gateway"),
-    "services.scheduler.main": _names(scheduler_pb2, "Scheduler", "Worker", "Cells"),
+    "services.scheduler.main": _names(scheduler_pb2, "Scheduler", "Harnesses", "Cells"),
     "services.scheduler.daemon_main": _names(scheduler_pb2, "CellDaemon"),
 }
 # Extra flags on top of the launcher's: an engine that boots without building a model.
@@ -102,7 +102,7 @@ LONG_POLLS: dict[str, tuple[str, Any]] = {
                                  trajectory_pb2.StreamBatchesRequest(job_id="boot", step=0, consumer_id="c")),
     "services.trainer.main": ("/gyre.v1.Trainer/GetWeights", trainer_pb2.GetWeightsRequest(version=5, wait_s=600)),
     "services.rollout.engine_main": ("/gyre.v1.Engine/Attach", rollout_pb2.AttachRequest(request_id="x", wait_s=600)),
-    "services.scheduler.main": ("/gyre.v1.Worker/LeaseExecution",
+    "services.scheduler.main": ("/gyre.v1.Harnesses/LeaseExecution",
                                 scheduler_pb2.LeaseExecutionRequest(harness_id="w", job_id="", wait_s=60)),
 }
 # Services known to hang on SIGTERM with a long-poll in flight, as strict xfails (a fix fails the

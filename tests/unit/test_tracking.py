@@ -113,3 +113,19 @@ def test_an_unknown_logger_is_one_sentence() -> None:
     assert parse_loggers(" TensorBoard, mlflow,tensorboard ") == ("tensorboard", "mlflow")
     with pytest.raises(ValueError, match="logger 'comet' is not one of tensorboard, wandb, mlflow"):
         parse_loggers("tensorboard,comet")
+
+
+def test_gyre_watch_shows_the_last_steps_trainer_figures_and_a_sharded_groups_ranks() -> None:
+    from services.jobwatch import JobView
+    from services.progress import Progress
+
+    view = JobView(job_id="job-1")
+    for ev in _events():
+        view.add(ev)
+    assert view.last_training == {"loss": 0.25, "entropy": 1.0, "clip_frac": 0.125}
+    view.add(Event(event_id="99-0", kind="step_trained", ts_s=9.0, job_id="job-1",
+                   attrs={"step": "2", "weight_version": "3", "trainer.loss": "0.125", "trainer.tokens_per_s": "512",
+                          "trainer.world_size": "3", "trainer.shards": "2", "trainer.peak_rss_mib_rank0": "8576.5",
+                          "trainer.peak_rss_mib_rank1": "8715.6"}))
+    line = Progress(scheduler=None, view=view, quiet=True, echo=lambda _m: None).line()
+    assert "trainer: loss 0.1250, 512 tok/s, world 3, 2 ranks, peak RSS 8,576, 8,716 MiB" in line
