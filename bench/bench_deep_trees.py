@@ -1,7 +1,7 @@
 """Deep branching trees: trained in DFS pieces (every tree token once) against DFS chunks with copies.
 
-Run: ``.venv/bin/python -m bench.bench_deep_trees [--depths 16384,32768] [--budget 4096]`` (about 10
-minutes on 2 CPU cores); writes ``bench/results/deep_trees.md``.
+Run: ``.venv/bin/python -m bench.bench_deep_trees [--depths 16384,32768] [--budget 4096] [--kv-budget N]``
+(about 10 minutes on 2 CPU cores); writes ``bench/results/deep_trees.md``.
 
 An agent-shaped execution (``_execution``): a main context that grows turn by turn to ``depth``
 tokens, the last two turns retried (branches at the bottom of the context), a sub-agent forked from
@@ -11,8 +11,10 @@ step. The trajectory packer packs them under ``budget`` both ways (``split_tree`
 (today's default before pieces: DFS chunks, each with its root path copied in) and ``pieces`` (the
 whole tree one micro-batch, DFS pieces of at most the budget, earlier pieces' keys/values kept);
 the trainer's tree policy (built-in model, block-sparse attention, ``chunk_tokens`` = the budget)
-runs forward + backward over every micro-batch. Each (depth, split) runs in a fresh process (its
-own peak RSS); both in the same run, the gradients compared.
+runs forward + backward over every micro-batch. ``--kv-budget``: also ``pieces`` with that kv budget
+(trees larger than it cut into chunks of at most that many tokens, their root paths recomputed as
+context instead of kept). Each (depth, split) runs in a fresh process (its own peak RSS); all in the
+same run, the gradients compared.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _execution(execution_id: str, depth: int, vocab: int, seed: int) -> list:
     return calls
 
 
-def _measure(depth: int, split: str, budget: int) -> dict:
+def _measure(depth: int, split: str, budget: int, kv_budget: int = 0) -> dict:
     """In this process: pack the step ``split``-wise and train every micro-batch once (timed)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -90,7 +92,7 @@ def _measure(depth: int, split: str, budget: int) -> dict:
             tree.add(c)
         trees[f"e{e}"] = tree.arrays()
         stats.append(tree.stats())
-    chunks = [c for eid, a in trees.items() for c in split_tree(eid, a, budget, split=split)]
+    chunks = [c for eid, a in trees.items() for c in split_tree(eid, a, budget, split=split, kv_budget=kv_budget)]
     weights = {eid: 1.0 / (a.num_trainable * len(trees)) for eid, a in trees.items()}
     batches = [assemble(b, step=0, advantages={eid: 1.0 for eid in trees}, token_weights=weights,
                         token_budget=budget) for b in pack_chunks(chunks, budget)]
@@ -106,15 +108,17 @@ def _measure(depth: int, split: str, budget: int) -> dict:
             (lp * t.loss_weights * t.advantages).sum().backward()
     seconds = time.perf_counter() - t0
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    torch.save(grads, f"/tmp/gyre-bench-deep-trees-{depth}-{split}.pt")
-    return {"depth": depth, "split": split, "budget": budget, "micro_batches": len(batches),
+    name = f"{split}-kv{kv_budget}" if kv_budget else split
+    torch.save(grads, f"/tmp/gyre-bench-deep-trees-{depth}-{name}.pt")
+    return {"depth": depth, "split": name, "budget": budget, "micro_batches": len(batches),
             "tree_tokens": sum(s.tree_tokens for s in stats), "naive_tokens": sum(s.naive_tokens for s in stats),
             "paths": sum(s.paths for s in stats), "processed_tokens": sum(len(b) for b in batches),
             "seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _run(depth: int, split: str, budget: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.bench_deep_trees", "--one", str(depth), split, str(budget)],
+def _run(depth: int, split: str, budget: int, kv_budget: int = 0) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.bench_deep_trees", "--one", str(depth), split, str(budget),
+                          str(kv_budget)],
                          cwd=ROOT, capture_output=True, text=True, timeout=7200)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -123,11 +127,11 @@ def _run(depth: int, split: str, budget: int) -> dict:
     return row
 
 
-def _grad_diff(depth: int) -> float:
+def _grad_diff(depth: int, name: str = "pieces") -> float:
     import torch
 
     a = torch.load(f"/tmp/gyre-bench-deep-trees-{depth}-context.pt")
-    b = torch.load(f"/tmp/gyre-bench-deep-trees-{depth}-pieces.pt")
+    b = torch.load(f"/tmp/gyre-bench-deep-trees-{depth}-{name}.pt")
     return float((a - b).norm() / a.norm())
 
 
@@ -135,15 +139,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depths", default="16384,32768", help="main-context depths, tokens")
     p.add_argument("--budget", type=int, default=4096, help="micro-batch token budget (and chunk_tokens)")
-    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # depth split budget: one measurement here
+    p.add_argument("--kv-budget", type=int, default=0, help="also pieces with this kv budget (0: not run); it "
+                                                           "bounds the kept keys/values only above the trees' "
+                                                           "depth (a token needs all its ancestors')")
+    p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # depth split budget kv: one measurement here
     args = p.parse_args()
     if args.one:
-        print(json.dumps(_measure(int(args.one[0]), args.one[1], int(args.one[2]))), flush=True)
+        print(json.dumps(_measure(int(args.one[0]), args.one[1], int(args.one[2]), int(args.one[3]))), flush=True)
         return
     rows = []
     for depth in (int(x) for x in args.depths.split(",")):
         ctx, pcs = _run(depth, "context", args.budget), _run(depth, "pieces", args.budget)
-        rows.append((ctx, pcs, _grad_diff(depth)))
+        kv = _run(depth, "pieces", args.budget, args.kv_budget) if args.kv_budget else None
+        rows.append((ctx, pcs, kv, _grad_diff(depth), _grad_diff(depth, kv["split"]) if kv else 0.0))
     lines = [
         "# Deep branching trees: DFS pieces against DFS chunks with context copies",
         "",
@@ -159,25 +167,29 @@ def main() -> None:
         "seconds | peak RSS MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for ctx, pcs, _ in rows:
-        for r in (ctx, pcs):
+    for ctx, pcs, kv, _, _ in rows:
+        for r in (ctx, pcs, *([kv] if kv else [])):
             lines.append(f"| {r['depth']:,} | {r['paths']} | {r['naive_tokens']:,} | {r['tree_tokens']:,} | "
                          f"{r['split']} | {r['micro_batches']} | {r['processed_tokens']:,} | "
                          f"{r['processed_tokens'] / r['tree_tokens']:.2f} | {r['seconds']:.1f} | "
                          f"{r['peak_rss_mib']:.0f} |")
-    lines += ["", "| depth | tokens saved | time saved | time saved / tokens saved | gradient difference (relative) |",
-              "|---|---|---|---|---|"]
-    for ctx, pcs, diff in rows:
-        tok = 1 - pcs["processed_tokens"] / ctx["processed_tokens"]
-        sec = 1 - pcs["seconds"] / ctx["seconds"]
-        lines.append(f"| {ctx['depth']:,} | {tok:.0%} | {sec:.0%} | {sec / tok if tok else 0:.2f} | {diff:.1e} |")
+    lines += ["", "| depth | split | tokens saved | time saved | time saved / tokens saved | "
+                  "gradient difference (relative) |", "|---|---|---|---|---|---|"]
+    for ctx, pcs, kv, diff, kv_diff in rows:
+        for r, d in ((pcs, diff), *([(kv, kv_diff)] if kv else [])):
+            tok = 1 - r["processed_tokens"] / ctx["processed_tokens"]
+            sec = 1 - r["seconds"] / ctx["seconds"]
+            lines.append(f"| {ctx['depth']:,} | {r['split']} | {tok:.0%} | {sec:.0%} | {sec / tok if tok else 0:.2f} | "
+                         f"{d:.1e} |")
     lines += [
         "",
         "In pieces every tree token is computed once in the forward and once in the backward, plus the second "
         "forward of the chunked training (the first pass makes the keys/values the later pieces attend to); "
         "what grows with the tree is those kept keys/values and their gradients (2 x layers x kv width per "
         "token), not the activations. Context chunks recompute every chunk's root path: at depth D and budget B "
-        "about D / B copies of a path up to D deep. The gradients of the two agree (the last column).",
+        "about D / B copies of a path up to D deep. With a kv budget K (`pieces-kvK`) a tree larger than K is cut "
+        "into chunks of at most K tokens, each trained in pieces: the kept keys/values are bounded by K, and "
+        "about D / K root paths are recomputed. The gradients agree (the last column).",
         "",
     ]
     RESULTS.write_text("\n".join(lines))

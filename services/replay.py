@@ -58,6 +58,9 @@ def replay_main(argv: Sequence[str]) -> int:
     p.add_argument("--max-paths", type=int, default=0, help="root-to-leaf paths kept per execution (0: all)")
     p.add_argument("--model", default="builtin-tiny", help="the policy to train (a name or checkpoint directory)")
     p.add_argument("--token-budget", type=int, default=16384, help="micro-batch size, tokens")
+    p.add_argument("--kv-budget-tokens", type=int, default=0,
+                   help="pieces: the largest tree trained whole (keys/values kept); larger ones are cut into chunks "
+                        "of at most this many tokens with their root paths recomputed as context (0: no limit)")
     p.add_argument("--tree-split", choices=("pieces", "context"), default="pieces",
                    help="a tree larger than the budget: the whole tree in DFS pieces with kept keys/values (each "
                         "token computed once), or DFS chunks with their root paths copied as context")
@@ -72,7 +75,7 @@ def replay_main(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     for name, value, least in (("--steps", args.steps, 1), ("--max-paths", args.max_paths, 0),
                                ("--token-budget", args.token_budget, 1), ("--shards", args.shards, 1),
-                               ("--chunk-tokens", args.chunk_tokens, 0)):
+                               ("--chunk-tokens", args.chunk_tokens, 0), ("--kv-budget-tokens", args.kv_budget_tokens, 0)):
         if value < least:
             print(f"gyre replay: {name} must be at least {least}, got {value}", file=sys.stderr)
             return 2
@@ -104,7 +107,8 @@ def _replay(args: argparse.Namespace, calls: list[Any], executions: dict[str, An
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="gyre-replay-"))
     specs = {s.name: s for s in default_specs(0)}
     trajectory = dataclasses.replace(specs["trajectory"], extra=("--max-paths", str(args.max_paths),
-                                                                 "--tree-split", args.tree_split))
+                                                                 "--tree-split", args.tree_split,
+                                                                 "--kv-budget-tokens", str(args.kv_budget_tokens)))
     launcher = Launcher(data_dir, Path(DEFAULT_RUN_CONFIG))
     job_id = f"replay-{int(time.time())}"
     say = lambda m: print(m, file=sys.stderr)  # noqa: E731  (stdout carries only the JSON lines)

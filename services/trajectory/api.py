@@ -382,15 +382,21 @@ class TrajectoryApi:
     def _budget(self, st: _Step) -> int:
         return st.spec.token_budget or self.cfg.token_budget
 
+    def _kv_budget(self, st: _Step) -> int:
+        """The step's kv budget: its own once fixed, else the service's (never below its token budget)."""
+        kv = st.spec.kv_budget_tokens if st.spec.kv_budget_tokens >= 0 else self.cfg.kv_budget_tokens
+        return max(kv, self._budget(st)) if kv else 0
+
     def _release(self, st: _Step, groups: list[str]) -> None:
         """Pack the executions of complete ``groups`` into the step's pool. Caller holds st.lock."""
         t0 = time.perf_counter()
-        if not st.spec.token_budget or not st.spec.max_paths or not st.spec.tree_split:
+        if not st.spec.token_budget or not st.spec.max_paths or not st.spec.tree_split or st.spec.kv_budget_tokens < 0:
             # fix budget, path cap (-1 = all paths) and split at the first release, so a restart
             # recomputes identical chunks
             st.spec = replace(st.spec, token_budget=self._budget(st),
                               max_paths=st.spec.max_paths or self.cfg.max_paths or -1,
-                              tree_split=st.spec.tree_split or self.cfg.tree_split)
+                              tree_split=st.spec.tree_split or self.cfg.tree_split,
+                              kv_budget_tokens=self._kv_budget(st))
             self.store.put_step(st.job_id, st.step, st.spec)
         self.store.mark_released(st.job_id, st.step, groups)
         for g in groups:
@@ -426,7 +432,8 @@ class TrajectoryApi:
                 continue
             st.ready[o.execution_id] = _Ready(adv[o.execution_id], arrays.num_trainable)
             split = st.spec.tree_split or self.cfg.tree_split
-            for i, chunk in enumerate(split_tree(o.execution_id, arrays, self._budget(st), split=split)):
+            for i, chunk in enumerate(split_tree(o.execution_id, arrays, self._budget(st), split=split,
+                                                 kv_budget=self._kv_budget(st))):
                 if (o.execution_id, i) not in emitted:
                     st.pool.append((o.execution_id, i, chunk))
 

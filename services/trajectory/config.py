@@ -15,6 +15,11 @@ class TrajectoryConfig(ServerConfig):
     max_paths: int = setting(0, "Root-to-leaf paths kept per execution (role priority, then record order); "
                                 "0 = all paths.")
     token_budget: int = setting(16384, "Default micro-batch size, tokens (a step may set its own).")
+    kv_budget_tokens: int = setting(0, "tree_split 'pieces': the largest tree trained whole, its keys/values "
+                                       "kept for the later pieces (memory: 2 x layers x kv width per token); a "
+                                       "larger tree is cut into chunks of at most this many tokens whose root "
+                                       "paths are recomputed as context instead (never fewer than the step's token "
+                                       "budget). 0 = no limit.")
     tree_split: str = setting("pieces", "How a tree larger than the token budget trains: 'pieces' (the whole "
                                         "tree in DFS pieces of at most the budget, each attending to earlier "
                                         "pieces' kept keys/values: every tree token computed once) or 'context' "
@@ -34,6 +39,8 @@ class TrajectoryConfig(ServerConfig):
         check(self.max_paths >= 0, "max_paths", self.max_paths, ">= 0 (0 = all paths)")
         check(self.token_budget >= 16, "token_budget", self.token_budget, "at least 16 tokens")
         check(self.tree_split in ("pieces", "context"), "tree_split", self.tree_split, "'pieces' or 'context'")
+        check(self.kv_budget_tokens >= 0, "kv_budget_tokens", self.kv_budget_tokens,
+              ">= 0 (0: no limit; a step's token budget is its least)")
         check(self.vocab_size >= 0, "vocab_size", self.vocab_size, ">= 0 (0 = unchecked)")
         check(self.max_record_tokens >= 1, "max_record_tokens", self.max_record_tokens, "at least 1 token")
         check(self.batch_lease_s > 0, "batch_lease_s", self.batch_lease_s, "> 0 seconds")

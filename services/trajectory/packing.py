@@ -167,16 +167,31 @@ class Chunk:
 TREE_SPLITS = ("pieces", "context")
 
 
-def split_tree(execution_id: str, tree: TreeArrays, token_budget: int, *, split: str = "context") -> list[Chunk]:
+def split_tree(execution_id: str, tree: TreeArrays, token_budget: int, *, split: str = "context",
+               kv_budget: int = 0) -> list[Chunk]:
     """The chunks ``tree`` trains in (see module docstring): the whole tree (``split="pieces"``), or
-    chunks of at most ``token_budget`` tokens each with their root paths as context."""
+    chunks of at most ``token_budget`` tokens each with their root paths as context.
+
+    ``kv_budget`` (pieces; 0 = none): the most tokens whose keys/values the trainer keeps for later
+    pieces. A tree larger than that is cut, as ``context`` cuts, into chunks of at most ``kv_budget``
+    tokens (each again trained in pieces): its chunks' root paths are recomputed as context instead
+    of kept, which bounds the kept keys/values at the cost of those copies. It cannot bound them
+    below a tree's depth: a chunk holding a token holds its whole root path (a path deeper than the
+    budget is cut as ``context`` cuts it, each chunk carrying the path above it)."""
     if token_budget < 1:
         raise ValueError(f"token_budget is {token_budget}; it must be >= 1")
     if split not in TREE_SPLITS:
         raise ValueError(f"split is {split!r}; expected {' or '.join(TREE_SPLITS)}")
+    if kv_budget < 0 or 0 < kv_budget < token_budget:
+        raise ValueError(f"kv_budget is {kv_budget}; expected 0 (no limit) or at least the token budget "
+                         f"({token_budget})")
     n = len(tree)
     empty = np.zeros(0, dtype=np.int64)
-    if n <= token_budget or split == "pieces":
+    if split == "pieces":
+        if not kv_budget or n <= kv_budget:
+            return [Chunk(execution_id, tree, 0, n, empty)] if n else []
+        token_budget = kv_budget  # cut as context does, into chunks the trainer may keep whole
+    if n <= token_budget:
         return [Chunk(execution_id, tree, 0, n, empty)] if n else []
     idx = np.arange(n, dtype=np.int64)
     parent = tree.parent.astype(np.int64)

@@ -55,6 +55,7 @@ class StepSpec:
     token_budget: int = 0
     max_paths: int = 0
     tree_split: str = ""  # "pieces" or "context" ("": the service's, fixed at the step's first release)
+    kv_budget_tokens: int = -1  # pieces: the largest tree trained whole (0: no limit; -1: the service's, fixed so)
     sealed: bool = False
     normalize_advantages: bool = False  # the job's [job.algorithm] (services/algorithm.py)
     advantage_eps: float = 0.0  # 0: the default

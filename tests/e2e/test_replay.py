@@ -85,6 +85,13 @@ def test_deep_trees_train_at_tree_cost_in_pieces_with_the_losses_of_context_chun
     assert context["processed_tokens"] > 1.5 * context["tree_tokens"]  # the context copies
     assert pieces["trained_tokens"] == context["trained_tokens"] == pieces["trainable_tokens"] > 0
     assert pieces["loss"] == pytest.approx(context["loss"], rel=1e-4)
+    # a kv budget below the trees' size (2,192 tokens, 1,927 deep): cut into chunks of at most 1,024
+    # tokens whose root paths are recomputed instead of kept, each trained in pieces. The main context
+    # is deeper than the budget, so every chunk of it carries its whole root path: what context
+    # chunks of 1,024 cost (a token's keys/values need all its ancestors'); the same loss
+    (capped,) = steps_of(replay(tmp_path / "capped", *args, "--kv-budget-tokens", "1024"))
+    assert capped["processed_tokens"] == 2 * 5400 > pieces["processed_tokens"]
+    assert capped["loss"] == pytest.approx(pieces["loss"], rel=1e-4)
     proc = replay(tmp_path / "bad", "--records", str(records), "--tree-split", "copies")
     assert proc.returncode == 2 and "--tree-split: invalid choice: 'copies'" in proc.stderr
 

@@ -193,3 +193,29 @@ def test_in_pieces_a_tree_larger_than_the_budget_is_one_batch_of_dfs_pieces_with
     assert batch_paths(whole) == ref and whole.trainable.sum() == big.num_trainable
     with pytest.raises(ValueError, match="split is 'copies'"):
         split_tree("b", big, 17, split="copies")
+
+
+def test_a_kv_budget_cuts_trees_larger_than_it_into_chunks_trained_in_pieces() -> None:
+    """``kv_budget``: a tree up to it trains whole (its keys/values kept); a larger one is cut into
+    chunks of at most the kv budget, their root paths recomputed as context, each chunk in pieces."""
+    rng = np.random.default_rng(7)
+    calls = random_execution(rng, 40, 30, execution_id="k", max_new=12)
+    tree = tree_of(calls).arrays()
+    n = len(tree)
+    assert n > 120
+    (whole,) = split_tree("k", tree, 16, split="pieces", kv_budget=n)
+    assert whole.size == n
+    chunks = split_tree("k", tree, 16, split="pieces", kv_budget=64)
+    assert len(chunks) > 1 and all(c.size <= 64 for c in chunks if len(c.context) < 64)
+    assert sum(c.num_trainable for c in chunks) == tree.num_trainable  # every target once
+    batches, overhead = pack_executions({"k": tree}, 16, split="pieces")
+    capped = [assemble(b, step=0, advantages={"k": 0.0}, token_weights={"k": 1.0}, token_budget=16)
+              for b in pack_chunks(chunks, 16)]
+    processed = sum(len(b) for b in capped)
+    copies = sum(len(c.context) for c in chunks)
+    assert overhead == 0 and copies > 0 and processed == n + copies  # the root paths, recomputed
+    for b in capped:
+        b.validate()
+        assert all(size <= 16 for size in pieces(b))
+    with pytest.raises(ValueError, match="kv_budget is 8; expected 0 .no limit. or at least the token budget"):
+        split_tree("k", tree, 16, split="pieces", kv_budget=8)
