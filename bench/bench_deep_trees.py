@@ -70,7 +70,37 @@ def _execution(execution_id: str, depth: int, vocab: int, seed: int) -> list:
     return calls
 
 
-def _measure(depth: int, split: str, budget: int, kv_budget: int = 0) -> dict:
+def _bushy(execution_id: str, depth: int, vocab: int, seed: int) -> list:
+    """A bushy execution: a shared prefix of ``depth // 4`` tokens and eight sub-agents forked from it,
+    each growing its own context by turns to ``depth`` tokens (the tree is ~6x its depth)."""
+    import numpy as np
+
+    from services.common.roles import AgentRole
+    from services.trajectory.records import TitoCall
+
+    rng = np.random.default_rng(seed)
+    tool, out = max(16, depth // 40), 32
+    prefix = rng.integers(3, vocab, depth // 4)
+    calls = []
+    for k in range(8):
+        context, turn = prefix, 0
+        while len(context) + out < depth:
+            ids = rng.integers(3, vocab, out)
+            calls.append(TitoCall(execution_id, f"sub-{k}-{turn}", f"sub-{k}", AgentRole.SUBAGENT, ids,
+                                  -rng.uniform(0.05, 3.0, out).astype(np.float32), 0, prompt_ids=context))
+            context = np.concatenate([context, ids, rng.integers(3, vocab, tool)])
+            turn += 1
+    return calls
+
+
+SHAPES = {"deep": _execution, "bushy": _bushy}
+SHAPE_TEXT = {"deep": "each a main context grown to the depth below, its last two turns retried, a sub-agent forked "
+                      "at three quarters of the depth and a compaction",
+              "bushy": "each eight sub-agents forked from a shared prefix of a quarter of the depth below, each "
+                       "grown to that depth"}
+
+
+def _measure(depth: int, split: str, budget: int, kv_budget: int = 0, shape: str = "deep") -> dict:
     """In this process: pack the step ``split``-wise and train every micro-batch once (timed)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -88,7 +118,7 @@ def _measure(depth: int, split: str, budget: int, kv_budget: int = 0) -> dict:
     trees, stats = {}, []
     for e in range(2):
         tree = ExecutionTree(f"e{e}")
-        for c in _execution(f"e{e}", depth, vocab, seed=e):
+        for c in SHAPES[shape](f"e{e}", depth, vocab, seed=e):
             tree.add(c)
         trees[f"e{e}"] = tree.arrays()
         stats.append(tree.stats())
@@ -116,9 +146,9 @@ def _measure(depth: int, split: str, budget: int, kv_budget: int = 0) -> dict:
             "seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _run(depth: int, split: str, budget: int, kv_budget: int = 0) -> dict:
+def _run(depth: int, split: str, budget: int, kv_budget: int = 0, shape: str = "deep") -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.bench_deep_trees", "--one", str(depth), split, str(budget),
-                          str(kv_budget)],
+                          str(kv_budget), "--shape", shape],
                          cwd=ROOT, capture_output=True, text=True, timeout=7200)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -142,26 +172,31 @@ def main() -> None:
     p.add_argument("--kv-budget", type=int, default=0, help="also pieces with this kv budget (0: not run); it "
                                                            "bounds the kept keys/values only above the trees' "
                                                            "depth (a token needs all its ancestors')")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="deep",
+                   help="deep: one main context with branches at depth; bushy: eight sub-agents forked from a "
+                        "shared prefix (written to deep_trees-bushy.md)")
     p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # depth split budget kv: one measurement here
     args = p.parse_args()
     if args.one:
-        print(json.dumps(_measure(int(args.one[0]), args.one[1], int(args.one[2]), int(args.one[3]))), flush=True)
+        print(json.dumps(_measure(int(args.one[0]), args.one[1], int(args.one[2]), int(args.one[3]),
+                                  args.shape)), flush=True)
         return
     rows = []
     for depth in (int(x) for x in args.depths.split(",")):
-        ctx, pcs = _run(depth, "context", args.budget), _run(depth, "pieces", args.budget)
-        kv = _run(depth, "pieces", args.budget, args.kv_budget) if args.kv_budget else None
+        ctx, pcs = _run(depth, "context", args.budget, 0, args.shape), _run(depth, "pieces", args.budget, 0, args.shape)
+        kv = _run(depth, "pieces", args.budget, args.kv_budget, args.shape) if args.kv_budget else None
         rows.append((ctx, pcs, kv, _grad_diff(depth), _grad_diff(depth, kv["split"]) if kv else 0.0))
     lines = [
         "# Deep branching trees: DFS pieces against DFS chunks with context copies",
         "",
-        f"`bench/bench_deep_trees.py`: two agent-shaped executions per step, each a main context grown to the "
-        f"depth below, its last two turns retried, a sub-agent forked at three quarters of the depth and a "
-        f"compaction; packed under a {args.budget:,}-token budget and trained once (forward + backward of every "
+        f"`bench/bench_deep_trees.py --shape {args.shape}`: two executions per step, " + SHAPE_TEXT[args.shape] +
+        f"; packed under a {args.budget:,}-token budget and trained once (forward + backward of every "
         f"micro-batch) by the built-in model's tree policy (block-sparse attention, chunk_tokens = the budget, "
         f"1 torch thread, fp32). `context`: DFS chunks, each carrying its root path again; `pieces`: each tree one "
-        f"micro-batch in DFS pieces of at most the budget, earlier pieces' keys/values kept. Both in the same "
-        f"run, each in a fresh process.",
+        f"micro-batch in DFS pieces of at most the budget, earlier pieces' keys/values kept"
+        + (f"; `pieces-kv{args.kv_budget}`: pieces, trees larger than {args.kv_budget:,} tokens cut into chunks of at "
+           f"most that many with their root paths recomputed" if args.kv_budget else "")
+        + ". All in the same run, each in a fresh process.",
         "",
         "| depth | paths | naive tokens | tree tokens | split | micro-batches | processed tokens | processed / tree | "
         "seconds | peak RSS MiB |",
@@ -192,8 +227,9 @@ def main() -> None:
         "about D / K root paths are recomputed. The gradients agree (the last column).",
         "",
     ]
-    RESULTS.write_text("\n".join(lines))
-    print(RESULTS.read_text())
+    out = RESULTS if args.shape == "deep" else RESULTS.with_name(f"deep_trees-{args.shape}.md")
+    out.write_text("\n".join(lines))
+    print(out.read_text())
 
 
 if __name__ == "__main__":
