@@ -432,15 +432,15 @@ class CoreTrainer:
             built = st.group.reduce(seal)
             return time.perf_counter() - start, built
         learner = st.learner
-        before = self._kept.built
-        group = self._kept.get(seal, lambda s: open_group(
-            s, store_host=self.store_host, store_port=self.store_port, backend=backend_for(learner.policy.device),
+        pg = seal.pg
+        group, built = self._kept.get(pg.group_prefix, lambda: open_group(
+            pg, store_host=self.store_host, store_port=self.store_port, backend=backend_for(learner.policy.device),
             timeout_s=self.collective_timeout_s, store=self.store))
         stats, ext = all_reduce_step(group, list(learner.grad_buckets()), learner.stats.vector(),
                                      learner.stats.extrema())
         learner.stats.load_vector(stats)
         learner.stats.load_extrema(ext)
-        return time.perf_counter() - start, self._kept.built > before
+        return time.perf_counter() - start, built
 
     def _push(self, snapshot: Mapping[str, torch.Tensor], version: int, job: TrainerJob,
               snapshot_s: float = 0.0, restart: bool = False) -> PublishReport:

@@ -76,7 +76,8 @@ class Seal:
 
     @property
     def pg(self) -> "Seal":
-        """This seal with the process group's prefix as its prefix (what ``open_group`` builds)."""
+        """This seal with the process group's prefix as its prefix (what ``open_group`` builds, and
+        what ``KeptGroup`` keeps it under)."""
         return Seal(step=self.step, rank=self.rank, world_size=self.world_size,
                     group_prefix=self.pg_prefix or self.group_prefix, release=self.release)
 
@@ -416,27 +417,25 @@ def arrive(store: Any, seal: Seal, *, timeout_s: float, gone: Callable[[], str] 
 class KeptGroup:
     """A participant's process group of the last all-reduce, reused while the seal names it.
 
-    ``held`` goes to the core (``core_done`` / ``AwaitReduce``); ``get(seal, build)`` returns the
-    kept group when ``seal.pg_prefix`` is its prefix, else builds one for the seal (``build(seal.pg)``)
-    and keeps that. ``drop()`` after a failed or called-off reduce."""
+    ``held`` (the kept group's prefix, "" for none) goes to the core (``core_done`` /
+    ``AwaitReduce``); ``get(prefix, build)`` returns the kept group when ``prefix`` is its prefix,
+    else one ``build()`` makes, kept under ``prefix``, and whether it was built (each build costs a
+    rendezvous; NCCL: seconds). ``drop()`` after a failed or called-off reduce."""
 
     def __init__(self) -> None:
         self._prefix = ""
         self._group: object | None = None
-        self.built = 0  # process groups built (each costs a rendezvous; NCCL: seconds)
 
     @property
     def held(self) -> str:
         return self._prefix
 
-    def get(self, seal: Seal, build: Callable[[Seal], object]) -> object:
-        prefix = seal.pg_prefix or seal.group_prefix
-        if self._group is None or prefix != self._prefix:
-            self.drop()
-            self._group = build(seal.pg)
-            self._prefix = prefix if seal.pg_prefix else ""  # a step's own group is never named again
-            self.built += 1
-        return self._group
+    def get(self, prefix: str, build: Callable[[], object]) -> tuple[object, bool]:
+        built = self._group is None or prefix != self._prefix
+        if built:
+            self.drop()  # the previous one's participants changed: it goes before the new one forms
+            self._group, self._prefix = build(), prefix
+        return self._group, built
 
     def drop(self) -> None:
         self._prefix, self._group = "", None

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from services.common.logging import get_logger
+from services.trainer.elastic import KeptGroup
 from services.trainer.batch import PackedBatchLike
 from services.trainer.job import TrainerJob
 
@@ -128,7 +129,7 @@ class GroupRank:
         self.store: Any = None  # set when the group forms: the core's store, its address, the timeout
         self.store_addr = ("", 0)
         self.timeout_s = 600.0
-        self._pg: tuple[str, Any] | None = None  # the kept cross-group process group, by its prefix
+        self.kept = KeptGroup()  # the cross-group process group, kept while the step's seals name it
         self.device = rank_device(job, rank, base)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -205,24 +206,15 @@ class GroupRank:
         from services.trainer.elastic import Seal, all_reduce_step, open_group
 
         assert self.store is not None, "a group rank needs the core's store to reduce across groups"
-        built = self._pg is None or self._pg[0] != op.prefix
-        if built:
-            self._pg = None  # the previous one's participants changed
-            seal = Seal(step=op.step, rank=op.rank, world_size=op.world, group_prefix=f"{op.prefix}/shard{self.rank}")
-            self._pg = (op.prefix, open_group(seal, store_host=self.store_addr[0], store_port=self.store_addr[1],
-                                              backend="nccl" if self.device.type == "cuda" else "gloo",
-                                              store=self.store, timeout_s=self.timeout_s))
-        assert self._pg is not None
+        seal = Seal(step=op.step, rank=op.rank, world_size=op.world, group_prefix=f"{op.prefix}/shard{self.rank}")
+        pg, built = self.kept.get(op.prefix, lambda: open_group(
+            seal, store_host=self.store_addr[0], store_port=self.store_addr[1],
+            backend="nccl" if self.device.type == "cuda" else "gloo", store=self.store, timeout_s=self.timeout_s))
         stats = self.learner.stats
-        vec, ext = all_reduce_step(self._pg[1], list(self.learner.grad_buckets()), stats.vector(), stats.extrema())
+        vec, ext = all_reduce_step(pg, list(self.learner.grad_buckets()), stats.vector(), stats.extrema())
         stats.load_vector(vec)
         stats.load_extrema(ext)
         return built
-
-    @property
-    def held_pg(self) -> str:
-        """The prefix of the cross-group process group this rank kept ("": none)."""
-        return self._pg[0] if self._pg is not None else ""
 
     def _handoff(self) -> dict[str, torch.Tensor]:
         """The group's gradient sums and statistics as one whole-model hand-off (kept on rank 0)."""
@@ -452,7 +444,7 @@ class ShardGroup:
     @property
     def held_pg(self) -> str:
         """The cross-group process groups this group kept from its last all-reduce ("": none)."""
-        return self.rank0.held_pg if self.rank0 is not None else ""
+        return self.rank0.kept.held if self.rank0 is not None else ""
 
     def handoff_state(self) -> dict[str, torch.Tensor]:
         """The group's gradient sums (whole, by parameter name) and statistics, for a hand-off."""

@@ -200,7 +200,7 @@ class Replica:
                 try:
                     _, state = self.core.get_weights(ticket.weight_version, wait_s=3600.0, stop=self.stop_event)
                 except Interrupted:
-                    self._leave(ticket, 0, dict)  # its cell is wanted back: no weights it won't use
+                    self._leave(ticket, 0, lambda: {})  # its cell is wanted back: no weights it will not use
                     break
                 self._load(job, ticket, state)
                 held_version = ticket.weight_version
@@ -260,8 +260,9 @@ class Replica:
                 if group is not None:
                     group.reduce(seal)
                 else:
-                    pg = self._kept.get(seal, lambda s: open_group(
-                        s, store_host=ticket.store_host, store_port=ticket.store_port,
+                    pg_seal = seal.pg
+                    pg, _ = self._kept.get(pg_seal.group_prefix, lambda: open_group(
+                        pg_seal, store_host=ticket.store_host, store_port=ticket.store_port,
                         backend=backend or backend_for(self.device), store=store))
                     all_reduce_step(pg, list(learner.grad_buckets()), learner.stats.vector(), learner.stats.extrema())
             self.stats.steps += 1
