@@ -1,7 +1,8 @@
 """Deep branching trees: trained in DFS pieces (every tree token once) against DFS chunks with copies.
 
-Run: ``.venv/bin/python -m bench.bench_deep_trees [--depths 16384,32768] [--budget 4096] [--kv-budget N]``
-(about 10 minutes on 2 CPU cores); writes ``bench/results/deep_trees.md``.
+Run: ``.venv/bin/python -m bench.bench_deep_trees [--shape deep|bushy] [--depths D,D] [--budget B] [--kv-budget K]``
+(both shapes at their own sizes: about 12 minutes on 2 CPU cores); writes ``bench/results/deep_trees.md``
+and ``bench/results/deep_trees-bushy.md``.
 
 An agent-shaped execution (``_execution``): a main context that grows turn by turn to ``depth``
 tokens, the last two turns retried (branches at the bottom of the context), a sub-agent forked from
@@ -22,10 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from bench.fresh import in_fresh_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "deep_trees.md"
@@ -147,14 +148,8 @@ def _measure(depth: int, split: str, budget: int, kv_budget: int = 0, shape: str
 
 
 def _run(depth: int, split: str, budget: int, kv_budget: int = 0, shape: str = "deep") -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.bench_deep_trees", "--one", str(depth), split, str(budget),
-                          str(kv_budget), "--shape", shape],
-                         cwd=ROOT, capture_output=True, text=True, timeout=7200)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    print(json.dumps(row), flush=True)
-    return row
+    return in_fresh_process("bench.bench_deep_trees", str(depth), split, str(budget), str(kv_budget), "--shape", shape,
+                            timeout_s=7200)
 
 
 def _grad_diff(depth: int, name: str = "pieces") -> float:
@@ -165,22 +160,35 @@ def _grad_diff(depth: int, name: str = "pieces") -> float:
     return float((a - b).norm() / a.norm())
 
 
+# what `make bench` runs (no arguments): both shapes, each at its own sizes
+DEFAULTS = {"deep": {"depths": "16384,32768", "budget": 4096, "kv_budget": 0},
+            "bushy": {"depths": "4096", "budget": 1024, "kv_budget": 8192}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--depths", default="16384,32768", help="main-context depths, tokens")
-    p.add_argument("--budget", type=int, default=4096, help="micro-batch token budget (and chunk_tokens)")
-    p.add_argument("--kv-budget", type=int, default=0, help="also pieces with this kv budget (0: not run); it "
-                                                           "bounds the kept keys/values only above the trees' "
-                                                           "depth (a token needs all its ancestors')")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="deep",
-                   help="deep: one main context with branches at depth; bushy: eight sub-agents forked from a "
-                        "shared prefix (written to deep_trees-bushy.md)")
+    p.add_argument("--depths", help="depths, tokens, comma-separated (default: the shape's)")
+    p.add_argument("--budget", type=int, help="micro-batch token budget (and chunk_tokens; default: the shape's)")
+    p.add_argument("--kv-budget", type=int, help="also pieces with this kv budget (0: not run; default: the "
+                                                 "shape's); it bounds the kept keys/values only above the trees' "
+                                                 "depth (a token needs all its ancestors')")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="",
+                   help="deep: one main context with branches at depth (deep_trees.md); bushy: eight sub-agents "
+                        "forked from a shared prefix (deep_trees-bushy.md); default: both")
     p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # depth split budget kv: one measurement here
     args = p.parse_args()
     if args.one:
         print(json.dumps(_measure(int(args.one[0]), args.one[1], int(args.one[2]), int(args.one[3]),
-                                  args.shape)), flush=True)
+                                  args.shape or "deep")), flush=True)
         return
+    for shape in [args.shape] if args.shape else list(DEFAULTS):
+        given = {k: v for k, v in (("depths", args.depths), ("budget", args.budget), ("kv_budget", args.kv_budget))
+                 if v is not None}
+        _table(argparse.Namespace(shape=shape, **{**DEFAULTS[shape], **given}))
+
+
+def _table(args: argparse.Namespace) -> None:
+    """Measure one shape at its sizes and write its table."""
     rows = []
     for depth in (int(x) for x in args.depths.split(",")):
         ctx, pcs = _run(depth, "context", args.budget, 0, args.shape), _run(depth, "pieces", args.budget, 0, args.shape)

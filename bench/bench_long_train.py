@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.fresh import in_fresh_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "long_train.md"
@@ -78,13 +79,7 @@ def _measure(kind: str, tokens: int, attention: str) -> dict:
 
 
 def _run(kind: str, tokens: int, attention: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.bench_long_train", "--one", kind, str(tokens), attention],
-                         cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    print(json.dumps(row), flush=True)
-    return row
+    return in_fresh_process("bench.bench_long_train", kind, str(tokens), attention)
 
 
 def main() -> None:
