@@ -55,13 +55,23 @@ def shard_model(model: torch.nn.Module, *, device: torch.device, bf16: bool = Fa
     return model
 
 
+def _my_shard(whole: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's shard of ``whole`` as rank 0 holds it (broadcast first; every rank calls this in
+    step), laid out like the DTensor ``like``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    dist.broadcast(whole, src=0)
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
 def send_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None, *, device: torch.device) -> None:
     """Give every rank its shards of rank 0's weights, one tensor at a time (``full``: rank 0's whole
     state dict, None on the others), so no rank but 0 ever holds more than one whole tensor. Ranks
     whose model has only its shapes (built on the meta device) get storage first. Also loads a new
     version into a sharded model (a replica group's next weights). Buffers (rotary frequencies) too."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=device)
@@ -70,11 +80,9 @@ def send_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor] | None
             continue
         whole = full[name].to(device) if full is not None else torch.empty(value.shape, dtype=value.dtype,
                                                                             device=device)
-        dist.broadcast(whole, src=0)
-        mine = distribute_tensor(whole, value.device_mesh, value.placements, src_data_rank=None)
         with torch.no_grad():
-            value.to_local().copy_(mine.to_local())
-        del whole, mine
+            value.to_local().copy_(_my_shard(whole, value))
+        del whole
     for _, buffer in model.named_buffers():
         dist.broadcast(buffer, src=0)
 
@@ -83,8 +91,7 @@ def add_full_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor] | None
     """Add a whole-model gradient sum (``grads`` on rank 0: one a leaving replica handed off, by
     parameter name; None on the others) to every rank's gradient shards, one tensor at a time.
     A parameter the sum leaves out adds nothing."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     for name, p in model.named_parameters():
         grad = p.grad
@@ -92,10 +99,8 @@ def add_full_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor] | None
         whole = torch.zeros(grad.shape, dtype=grad.dtype, device=device)
         if grads is not None and name in grads:
             whole.copy_(grads[name])
-        dist.broadcast(whole, src=0)
-        mine = distribute_tensor(whole, grad.device_mesh, grad.placements, src_data_rank=None)
-        grad.to_local().add_(mine.to_local())
-        del whole, mine
+        grad.to_local().add_(_my_shard(whole, grad))
+        del whole
 
 
 def gather_grads(model: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
