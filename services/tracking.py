@@ -170,8 +170,10 @@ class MlflowTracker:
         experiment = self.client.get_experiment_by_name("gyre")
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("gyre")
         self.run_id = self.client.create_run(experiment_id, run_name=job_id, tags={"gyre.job_id": job_id}).info.run_id
-        for k, v in sorted(_flat(config).items())[:100]:  # MLflow caps a batch; the spec's main fields
-            self.client.log_param(self.run_id, k[:250], str(v)[:500])
+        from mlflow.entities import Param
+
+        params = [Param(k[:250], str(v)[:500]) for k, v in sorted(_flat(config).items())[:100]]  # MLflow caps a batch
+        self.client.log_batch(self.run_id, params=params)
 
     def log(self, step: int, figures: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
